@@ -1,0 +1,101 @@
+"""``CompiledModel``: the one contract the engine and the server use.
+
+A compiled model runs one engine step: given the chunks of the scheduled sequences (see
+``autodeploy.kvcache.metadata``), it returns one row of logits per sequence. It owns the KV pool;
+block ids are handed out by the caller (the engine's block manager).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import fx
+from transformers import PretrainedConfig
+
+from .config import CompileConfig
+from .kvcache.metadata import BatchMetadata, SequenceChunk
+from .kvcache.pool import KVCapacity, KVPool
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What compilation did and how long it took."""
+
+    model_type: str
+    architecture: str
+    dtype: torch.dtype
+    device: torch.device
+    stage_seconds: dict[str, float]
+    passes: list  # PassRecord, in order
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    def pass_table(self) -> str:
+        lines = [f"{'pass':<26}{'stage':<14}{'matches':>8}{'ms':>10}  detail"]
+        for r in self.passes:
+            ms = "-" if r.skipped else f"{r.ms:.1f}"
+            lines.append(f"{r.name:<26}{r.stage:<14}{r.matches:>8}{ms:>10}  {r.detail}")
+        return "\n".join(lines)
+
+
+class CompiledModel:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        pool: KVPool,
+        capacity: KVCapacity,
+        hf_config: PretrainedConfig,
+        config: CompileConfig,
+        report: CompileReport,
+        model_dir: Path | None,
+    ):
+        self.gm = gm
+        self.pool = pool
+        self.capacity = capacity
+        self.hf_config = hf_config
+        self.config = config
+        self.report = report
+        self.model_dir = model_dir
+
+    @property
+    def device(self) -> torch.device:
+        return self.report.device
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.capacity.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.gm.graph.output_node().args[0].meta["val"].shape[-1])
+
+    def prepare(self, chunks: list[SequenceChunk]) -> BatchMetadata:
+        """Batch metadata of one step, on the device (one host-to-device copy)."""
+        return BatchMetadata.build(chunks, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchMetadata) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` at each sequence's last scheduled token."""
+        return self.gm(**batch.as_kwargs(), **self.pool.as_kwargs())
+
+    def __call__(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        return self.forward(self.prepare(chunks))
+
+
+def canonical_op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    counts = Counter(
+        n.target._opname if hasattr(n.target, "_opname") else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "autodeploy"
+    )
+    return dict(sorted(counts.items()))

@@ -1,0 +1,118 @@
+"""``autodeploy.compile``: checkpoint directory -> ``CompiledModel``.
+
+build on meta -> torch.export -> passes (in stage order) -> CompiledModel. Each step is timed; the
+report lists every pass with its matches and milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from . import ops  # noqa: F401  (registers the canonical ops)
+from .compiled import CompiledModel, CompileReport, canonical_op_counts
+from .config import CompileConfig, validate
+from .errors import ConfigError
+from .export import export_model
+from .model_loading import Checkpoint, build_meta_model, open_checkpoint, resolve_dtype
+from .pipeline import CompileContext, load_pipeline, run_pipeline
+
+log = logging.getLogger("autodeploy")
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def compile(model_dir: str | Path, **options: Any) -> CompiledModel:  # noqa: A001 (public API name)
+    """Compile the HF causal LM in ``model_dir`` (config.json + safetensors) for inference.
+
+    ``options`` are the fields of :class:`autodeploy.config.CompileConfig`.
+    """
+    config = validate(CompileConfig, options, "compile options")
+    checkpoint = open_checkpoint(
+        model_dir,
+        allow_pickle=config.allow_pickle,
+        trust_remote_code=config.trust_remote_code,
+        require_weights=config.weights == "checkpoint",
+    )
+    return compile_config(checkpoint.config, config, checkpoint)
+
+
+def compile_config(
+    hf_config: PretrainedConfig, config: CompileConfig, checkpoint: Checkpoint | None = None
+) -> CompiledModel:
+    """Compile from an HF config; weights from ``checkpoint`` or random (``config.weights``)."""
+    if checkpoint is None and config.weights != "random":
+        raise ConfigError("compiling from a config alone needs weights='random'")
+    timings: dict[str, float] = {}
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(hf_config, config.dtype)
+
+    start = time.perf_counter()
+    model, buffers = build_meta_model(hf_config, dtype, config.attn_implementation, config.trust_remote_code)
+    timings["build"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    gm = export_model(model, max_num_tokens=max(config.max_num_tokens, 2))
+    timings["export"] = time.perf_counter() - start
+    gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
+    del model
+
+    ctx = CompileContext(
+        gm=gm, hf_config=hf_config, config=config, device=device, dtype=dtype,
+        checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
+    )
+    ctx.artifacts["max_seq_len"] = config.max_seq_len or model_max_len(hf_config)
+    start = time.perf_counter()
+    records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
+    timings["passes"] = time.perf_counter() - start
+
+    report = CompileReport(
+        model_type=hf_config.model_type,
+        architecture=(hf_config.architectures or [type(hf_config).__name__])[0],
+        dtype=dtype,
+        device=device,
+        stage_seconds=timings,
+        passes=records,
+        op_counts=canonical_op_counts(ctx.gm),
+    )
+    model_dir = checkpoint.path if checkpoint else None
+    return CompiledModel(
+        ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{device}' requested but CUDA is not available")
+    return resolved
+
+
+def model_max_len(hf_config: PretrainedConfig) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_MAX_SEQ_LEN
+
+
+def window_hints(hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Sliding-window sizes the config mentions; the mask probe checks them (it never trusts them)."""
+    hints = set()
+    for key, value in hf_config.to_dict().items():
+        if "window" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            hints.add(value)
+    return tuple(sorted(hints))
+
+
+def _dump_dir(config: CompileConfig) -> Path | None:
+    directory = config.dump_dir or os.environ.get("AUTODEPLOY_DUMP_DIR")
+    return Path(directory) if directory else None

@@ -1,0 +1,101 @@
+"""User-facing configuration (pydantic, unknown keys are errors).
+
+Precedence where several sources meet (CLI): defaults < ``--config`` YAML < dedicated flags <
+``--set key=value``; see :func:`merge_settings`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+
+class CompileConfig(BaseModel):
+    """Options of :func:`autodeploy.compile`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str = Field("auto", description="auto (checkpoint dtype), bfloat16, float16 or float32")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="HF attention code traced by export; both are canonicalized"
+    )
+    weights: Literal["checkpoint", "random"] = Field(
+        "checkpoint", description="random: skip the checkpoint, fill weights randomly on the device (benchmarks)"
+    )
+    max_seq_len: int | None = Field(None, description="longest prompt + output; default: the model's limit")
+    max_batch_size: int = Field(64, ge=1, description="most sequences in one step")
+    max_num_tokens: int = Field(8192, ge=1, description="most tokens in one step (token budget)")
+    tokens_per_block: int = Field(16, ge=1, description="KV-cache page size in tokens")
+    kv_cache_free_gpu_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="share of free GPU memory (after weights) used for the KV cache"
+    )
+    num_kv_blocks: int | None = Field(None, ge=1, description="fix the KV-cache size instead of measuring memory")
+    kv_cache_cpu_bytes: int = Field(1 << 30, ge=1, description="KV-cache budget when running on the CPU")
+    attention_backend: str = Field("torch", description="paged attention implementation: torch, triton, flashinfer")
+    allow_pickle: bool = Field(False, description="accept pickle (.bin) weights; only for trusted checkpoints")
+    trust_remote_code: bool = Field(False, description="run modeling code shipped with the checkpoint")
+    dump_dir: str | None = Field(None, description="write every intermediate graph here (or AUTODEPLOY_DUMP_DIR)")
+    pipeline: str | None = Field(None, description="YAML file replacing the default pass pipeline")
+    passes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-pass config overrides, e.g. {fuse_qkv: {enabled: false}}"
+    )
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """``key=value`` with a YAML-typed value; dotted keys address nested settings."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got '{item}'")
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item}: cannot parse value: {exc}") from exc
+
+
+def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a mapping")
+    target[leaf] = value
+
+
+def merge_settings(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Merge setting layers, later ones winning, mappings merged key by key."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        _deep_update(merged, layer)
+    return merged
+
+
+def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+
+
+def validate(model: type[BaseModel], data: dict[str, Any], what: str) -> BaseModel:
+    try:
+        return model(**data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid {what}: {problems}") from None

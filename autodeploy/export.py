@@ -1,0 +1,141 @@
+"""Capture an unmodified HF causal LM with ``torch.export`` in the flattened token layout.
+
+The exported function is ``logits[T, V] = f(input_ids[T], position_ids[T])``: every token of a step
+in one dynamic dimension, positions explicit. The result is a plain ``fx.GraphModule`` whose
+parameters and buffers keep their HF names (``model.layers.0.self_attn.q_proj.weight``) as meta
+tensors, and whose nodes carry fake-tensor metadata (``meta["val"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .errors import ExportError
+from .graph.cleanup import cleanup_graph
+
+log = logging.getLogger("autodeploy.export")
+
+EXAMPLE_TOKENS = 8
+_WRAPPER_PREFIX = "model."
+
+
+class FlatTokens(torch.nn.Module):
+    """Presents an HF causal LM as ``logits = f(input_ids[T], position_ids[T])``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        return out.logits[0]
+
+
+def export_model(model: torch.nn.Module, max_num_tokens: int = 1 << 20) -> fx.GraphModule:
+    """Export ``model`` (built on meta) with a dynamic token dimension; no patches applied.
+
+    Parameters are traced as fake CPU tensors rather than meta tensors so that constants the model
+    creates while running (e.g. ``torch.tensor(0.0)`` in mask code) keep their real values.
+    """
+    _fakeify(model, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
+    num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
+    input_ids = torch.zeros(EXAMPLE_TOKENS, dtype=torch.int64)
+    position_ids = torch.arange(EXAMPLE_TOKENS, dtype=torch.int64)
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            program = torch.export.export(
+                FlatTokens(model),
+                (input_ids, position_ids),
+                dynamic_shapes=({0: num_tokens}, {0: num_tokens}),
+                strict=False,
+            )
+    except Exception as exc:
+        raise ExportError(
+            f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}".strip()
+        ) from exc
+    gm = graph_module_from_program(program)
+    log.info("exported %s in %.1f s (%d nodes)", type(model).__name__, time.perf_counter() - start, len(gm.graph.nodes))
+    return gm
+
+
+def _fakeify(model: torch.nn.Module, mode: FakeTensorMode) -> None:
+    cpu = torch.device("cpu")
+    to_fake = mode.fake_tensor_converter.from_meta_and_device
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = torch.nn.Parameter(to_fake(mode, param.to("meta"), cpu), requires_grad=False)
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = to_fake(mode, buf.to("meta"), cpu)
+
+
+def graph_module_from_program(program: ExportedProgram) -> fx.GraphModule:
+    """A plain GraphModule: params/buffers become attributes under their HF names (get_attr nodes)."""
+    root = torch.nn.Module()
+    gm_in = program.graph_module
+    graph = gm_in.graph
+    specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    state = {**program.state_dict, **program.constants}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_user_input = next(n for n in placeholders if specs[n.name].kind == InputKind.USER_INPUT)
+    for node in placeholders:
+        spec = specs[node.name]
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        name = _strip_prefix(spec.target)
+        value = state[spec.target]
+        if isinstance(value, FakeTensor) or value.device.type == "meta":
+            value = torch.empty(value.shape, dtype=value.dtype, device="meta")  # loaded later
+        set_tensor_attr(root, name, value, as_parameter=spec.kind == InputKind.PARAMETER)
+        with graph.inserting_before(first_user_input):
+            attr = graph.create_node("get_attr", name)  # graph.get_attr would look in the old root
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+    for node in graph.find_nodes(op="placeholder"):
+        node.target = node.name
+    _single_output(graph)
+    gm = fx.GraphModule(root, graph)
+    return cleanup_graph(gm)
+
+
+def _strip_prefix(name: str) -> str:
+    return name[len(_WRAPPER_PREFIX) :] if name.startswith(_WRAPPER_PREFIX) else name
+
+
+def _single_output(graph: fx.Graph) -> None:
+    output = graph.output_node()
+    result = output.args[0]
+    if isinstance(result, (tuple, list)):
+        (result,) = result
+    output.args = (result,)
+
+
+def set_tensor_attr(root: torch.nn.Module, name: str, value: torch.Tensor, as_parameter: bool) -> None:
+    """Register ``value`` at dotted ``name`` under ``root``, creating empty submodules on the way."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    if as_parameter:
+        module.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=False))
+    else:
+        module.register_buffer(leaf, value)
+
+
+def get_tensor_attr(root: torch.nn.Module, name: str) -> torch.Tensor:
+    module_name, _, leaf = name.rpartition(".")
+    module = root.get_submodule(module_name) if module_name else root
+    return getattr(module, leaf)

@@ -1,0 +1,1 @@
+"""FX graph utilities: cleanup, fake-tensor metadata, the pattern matcher and rewrite rules."""

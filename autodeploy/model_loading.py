@@ -1,0 +1,198 @@
+"""Checkpoint discovery, building the HF model on the meta device, and weight sources.
+
+The model is built without memory (meta device); only its non-persistent buffers (RoPE inverse
+frequencies, embedding scales...) are computed for real, with the model's own ``_init_weights``, the
+way ``from_pretrained`` does. Weights arrive later, tensor by tensor, from a :class:`WeightSource`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .errors import ModelLoadError
+
+log = logging.getLogger("autodeploy.loading")
+
+SAFETENSORS_SUFFIX = ".safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local HF checkpoint directory: its config and weight files."""
+
+    path: Path
+    config: PretrainedConfig
+    weight_files: tuple[Path, ...]
+    trust_remote_code: bool = False
+
+    @property
+    def is_safetensors(self) -> bool:
+        return all(f.suffix == SAFETENSORS_SUFFIX for f in self.weight_files)
+
+
+def open_checkpoint(
+    model_dir: str | Path, *, allow_pickle: bool = False, trust_remote_code: bool = False, require_weights: bool = True
+) -> Checkpoint:
+    path = Path(model_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a checkpoint directory: config.json not found")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:  # unknown model_type, or remote code refused
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    files = _weight_files(path, allow_pickle)
+    if require_weights and not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    return Checkpoint(path, config, tuple(files), trust_remote_code)
+
+
+def _weight_files(path: Path, allow_pickle: bool) -> list[Path]:
+    safetensors = sorted(path.glob(f"*{SAFETENSORS_SUFFIX}"))
+    if safetensors:
+        return safetensors
+    pickled = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and "training_args" not in p.name)
+    if pickled and not allow_pickle:
+        raise ModelLoadError(
+            f"{path} holds only pickle weights ({pickled[0].name}); loading pickle can run arbitrary code. "
+            "Convert them to safetensors, or pass allow_pickle=True (--allow_pickle) if you trust the source."
+        )
+    return pickled
+
+
+def resolve_dtype(config: PretrainedConfig, dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return getattr(torch, value) if isinstance(value, str) else value
+    try:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
+    except AttributeError:
+        raise ModelLoadError(f"unknown dtype '{dtype}'") from None
+
+
+def build_meta_model(
+    config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The HF causal LM on the meta device, plus real CPU values of its non-persistent buffers."""
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    if _has_experts_interface(config):
+        kwargs["experts_implementation"] = "batched_mm"  # the export-friendly (static-shape) MoE code path
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as exc:
+        raise ModelLoadError(f"transformers cannot build {config.model_type} as a causal LM: {exc}") from exc
+    model.eval().requires_grad_(False)
+    return model, _materialize_non_persistent_buffers(model)
+
+
+def _has_experts_interface(config: PretrainedConfig) -> bool:
+    return hasattr(config, "_experts_implementation")
+
+
+def _materialize_non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    values: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        names = [n for n in getattr(module, "_non_persistent_buffers_set", ()) if module._buffers.get(n) is not None]
+        if not names:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            model._init_weights(module)
+        for name in names:
+            values[f"{module_name}.{name}" if module_name else name] = module._buffers[name].clone()
+        for key in list(module._parameters):
+            if module._parameters[key] is not None:
+                module._parameters[key] = torch.nn.Parameter(module._parameters[key].to("meta"), requires_grad=False)
+        for key in list(module._buffers):
+            if module._buffers[key] is not None:
+                module._buffers[key] = module._buffers[key].to("meta")
+    return values
+
+
+class WeightSource(ABC):
+    """Yields ``(name, tensor)`` in the model's parameter naming, one tensor at a time."""
+
+    @abstractmethod
+    def names(self) -> set[str]:
+        """Every tensor name this source yields."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, one at a time."""
+
+
+class SafetensorsSource(WeightSource):
+    """Streams tensors straight from ``*.safetensors`` files (names as stored)."""
+
+    def __init__(self, files: tuple[Path, ...]):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.files = files
+
+    def names(self) -> set[str]:
+        out: set[str] = set()
+        for f in self.files:
+            with self._open(str(f), framework="pt") as handle:
+                out.update(handle.keys())
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for f in self.files:
+            with self._open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    yield key, handle.get_tensor(key)
+
+
+class TransformersSource(WeightSource):
+    """Loads through ``from_pretrained`` on the CPU, for checkpoints whose stored names or layout
+    differ from the model's parameters (transformers' weight conversions, e.g. per-expert MoE
+    weights stacked into one tensor). Costs one host copy of the model."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype):
+        self.checkpoint, self.dtype = checkpoint, dtype
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def _load(self) -> dict[str, torch.Tensor]:
+        if self._state is None:
+            kwargs = {"dtype": self.dtype, "trust_remote_code": self.checkpoint.trust_remote_code}
+            if not self.checkpoint.is_safetensors:
+                kwargs["use_safetensors"] = False
+            model = AutoModelForCausalLM.from_pretrained(self.checkpoint.path, **kwargs)
+            self._state = dict(model.state_dict())
+        return self._state
+
+    def names(self) -> set[str]:
+        return set(self._load())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self._load()
+        for name in list(state):
+            yield name, state.pop(name)
+        self._state = None
+
+
+def choose_weight_source(checkpoint: Checkpoint, param_names: set[str], dtype: torch.dtype) -> WeightSource:
+    """Stream safetensors directly when every parameter is stored under its own name."""
+    if checkpoint.is_safetensors:
+        direct = SafetensorsSource(checkpoint.weight_files)
+        if param_names <= direct.names():
+            return direct
+    log.info("checkpoint names differ from the model's parameters: loading through transformers")
+    return TransformersSource(checkpoint, dtype)
+
+
+def read_generation_config(path: Path) -> dict:
+    file = path / "generation_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -1,0 +1,66 @@
+"""Canonical MLP ops: gated MLP (SwiGLU / GeGLU) and mixture of experts.
+
+``swiglu(x, w_gate, w_up, w_down, activation)`` = ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``
+with ``activation`` one of ``silu`` (SwiGLU), ``gelu`` or ``gelu_tanh`` (GeGLU).
+
+``moe(x[T, H], topk_ids[T, K], topk_weights[T, K], w_gate_up[E, 2I, H], w_down[E, H, I])``: each
+token goes through its K experts (a gated MLP whose gate and up rows are stacked in ``w_gate_up``,
+gate first) and the outputs are summed with the routing weights. Routing itself (router linear,
+softmax/top-k, renormalisation) stays in the graph as ordinary ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def _activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation '{name}', known: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+@torch.library.custom_op("autodeploy::swiglu", mutates_args=())
+def swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu"
+) -> torch.Tensor:
+    hidden = _activation(activation)(F.linear(x, w_gate)) * F.linear(x, w_up)
+    return F.linear(hidden, w_down)
+
+
+@swiglu.register_fake
+def _(x, w_gate, w_up, w_down, activation="silu"):
+    return x.new_empty(*x.shape[:-1], w_down.shape[0])
+
+
+@torch.library.custom_op("autodeploy::moe", mutates_args=())
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    act = _activation(activation)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w_down.shape[-1]
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        gate_up = F.linear(x[token_idx], w_gate_up[expert])
+        hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
+        expert_out = F.linear(hidden, w_down[expert]).float()
+        out.index_add_(0, token_idx, expert_out * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
+
+
+@moe.register_fake
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, activation="silu"):
+    return torch.empty_like(x)

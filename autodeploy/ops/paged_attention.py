@@ -1,0 +1,70 @@
+"""Canonical paged-KV attention with the cache write fused in (torch reference backend).
+
+``paged_attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], kv_cache, <batch metadata>, ...)``
+first writes k/v of every token with ``slot_mapping >= 0`` into ``kv_cache``
+([num_blocks, 2, block_size, Hkv, D], see ``autodeploy.kvcache.pool``), then lets each token
+attend to the cached keys of its sequence up to and including its own position. Metadata is
+described in ``autodeploy.kvcache.metadata``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_reference, attention_scores_mask
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = k[valid].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v[valid].to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` cached K and V of one sequence: each [length, Hkv, D]."""
+    blocks = kv_cache[block_ids]  # [n, 2, bs, H, D]
+    keys = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:length]
+    values = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:length]
+    return keys, values
+
+
+@torch.library.custom_op("autodeploy::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    write_kv_cache(k, v, kv_cache, slot_mapping)
+    out = torch.zeros_like(q)
+    block_size = kv_cache.shape[2]
+    for b, (n_q, n_ctx, start) in enumerate(zip(query_lens.tolist(), context_lens.tolist(), cu_seqlens.tolist())):
+        if n_q == 0:
+            continue
+        seq_len = n_ctx + n_q
+        n_blocks = -(-seq_len // block_size)
+        keys, values = gather_kv(kv_cache, block_table[b, :n_blocks], seq_len)
+        q_pos = torch.arange(n_ctx, seq_len, device=q.device)
+        allowed = attention_scores_mask(q_pos, torch.arange(seq_len, device=q.device), True, sliding_window)
+        out[start : start + n_q] = attention_reference(
+            q[start : start + n_q], keys.to(q.dtype), values.to(q.dtype), allowed, scale, logit_softcap, sinks
+        )
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
+      sliding_window=None, logit_softcap=None, sinks=None):
+    return torch.empty_like(q)

@@ -1,0 +1,17 @@
+"""Pipeline passes, registered lazily by name (imported only when a pipeline uses them)."""
+
+from autodeploy.pipeline.base import PASSES
+
+_BUILTIN = {
+    "canonicalize_attention": "autodeploy.passes.canonicalize:CanonicalizeAttention",
+    "canonicalize_rope": "autodeploy.passes.canonicalize:CanonicalizeRoPE",
+    "canonicalize_norms": "autodeploy.passes.canonicalize:CanonicalizeNorms",
+    "canonicalize_mlp": "autodeploy.passes.canonicalize:CanonicalizeMLP",
+    "canonicalize_moe": "autodeploy.passes.canonicalize:CanonicalizeMoE",
+    "gather_logits": "autodeploy.passes.gather_logits:GatherLogits",
+    "load_weights": "autodeploy.passes.load_weights:LoadWeights",
+    "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
+    "allocate_kv_cache": "autodeploy.passes.allocate_kv_cache:AllocateKVCache",
+}
+for _name, _target in _BUILTIN.items():
+    PASSES.register_lazy(_name, _target)

@@ -1,0 +1,70 @@
+"""allocate_kv_cache: size the KV pool from the memory left after a profiling forward, allocate it.
+
+On CUDA: run one step of ``max_num_tokens`` tokens with a minimal cache, measure the activation
+peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool. On the CPU:
+``kv_cache_cpu_bytes``, capped at what ``max_batch_size`` sequences of ``max_seq_len`` need. A fixed
+``num_kv_blocks`` overrides both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
+from autodeploy.kvcache.pool import KVCapacity, KVPool
+from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
+
+log = logging.getLogger("autodeploy.kv_cache")
+
+
+class AllocateKVCache(Pass):
+    name = "allocate_kv_cache"
+    stage = Stage.CACHE_INIT
+    requires = ("kv_cache_inserted", "weights_loaded")
+    ensures = ("kv_cache_allocated",)
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        specs, cfg = ctx.artifacts["kv_specs"], ctx.config
+        block_size, max_seq_len = cfg.tokens_per_block, ctx.artifacts["max_seq_len"]
+        blocks_per_seq = -(-max_seq_len // block_size)
+        if cfg.num_kv_blocks:
+            num_blocks = cfg.num_kv_blocks
+        elif ctx.device.type == "cuda":
+            num_blocks = KVPool.blocks_for_budget(specs, block_size, self._cuda_budget(ctx, blocks_per_seq))
+        else:
+            budget = KVPool.blocks_for_budget(specs, block_size, cfg.kv_cache_cpu_bytes)
+            num_blocks = min(budget, cfg.max_batch_size * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            log.warning("KV cache holds %d blocks, fewer than one sequence of max_seq_len needs (%d)",
+                        num_blocks, blocks_per_seq)
+        if num_blocks < 1:
+            raise RuntimeError("no memory left for the KV cache")
+        ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device)
+        capacity = KVCapacity(num_blocks, block_size, max_seq_len)
+        ctx.artifacts["kv_capacity"] = capacity
+        log.info(capacity.describe())
+        return PassResult(num_blocks, capacity.describe())
+
+    def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
+        cfg = ctx.config
+        tokens = min(cfg.max_num_tokens, ctx.artifacts["max_seq_len"])
+        n_blocks = -(-tokens // cfg.tokens_per_block)
+        scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
+        chunk = SequenceChunk(tuple([0] * tokens), 0, tuple(range(1, n_blocks + 1)))
+        batch = BatchMetadata.build([chunk], cfg.tokens_per_block, ctx.device)
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        baseline = torch.cuda.memory_allocated(ctx.device)
+        with torch.inference_mode():
+            ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
+        torch.cuda.synchronize(ctx.device)
+        activations = torch.cuda.max_memory_allocated(ctx.device) - baseline
+        del scratch, batch
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        budget = int((free - activations) * cfg.kv_cache_free_gpu_memory_fraction)
+        log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB -> KV budget %.2f GiB",
+                 tokens, activations / 2**30, free / 2**30, budget / 2**30)
+        return max(0, budget)

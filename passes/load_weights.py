@@ -1,0 +1,131 @@
+"""load_weights: materialize every parameter and buffer on the target device.
+
+Checkpoint tensors stream one at a time; a tensor with registered load hooks (fusion, sharding,
+quantization) goes to its hooks, any other is copied into the parameter of the same name. With
+``weights: random`` parameters are filled on the device instead (benchmarks). Afterwards factory
+ops in the graph are retargeted to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+from tqdm import tqdm
+
+from autodeploy.export import get_tensor_attr, set_tensor_attr
+from autodeploy.model_loading import choose_weight_source
+from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
+
+log = logging.getLogger("autodeploy.load_weights")
+
+
+class LoadWeightsConfig(PassConfig):
+    random_std: float = 0.02
+    progress: bool = False
+
+
+class LoadWeights(Pass):
+    name = "load_weights"
+    stage = Stage.LOAD_WEIGHTS
+    ensures = ("weights_loaded",)
+    Config = LoadWeightsConfig
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        pending = _meta_tensors(ctx.gm)
+        loaded = self._load_buffers(ctx, pending)
+        if ctx.config.weights == "random":
+            loaded += self._fill_random(ctx, pending)
+        else:
+            loaded += self._stream_checkpoint(ctx, pending)
+        if pending:
+            missing = ", ".join(sorted(pending)[:8])
+            raise RuntimeError(f"{len(pending)} parameter(s) have no weights in the checkpoint: {missing}")
+        _move_rest(ctx.gm, ctx.device)
+        retarget_devices(ctx.gm, ctx.device)
+        return PassResult(loaded, f"{loaded} tensors on {ctx.device}")
+
+    def _load_buffers(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
+        count = 0
+        for name, value in ctx.buffers.items():
+            if name in pending:
+                _assign(ctx.gm, name, value, pending.pop(name), ctx.device)
+                count += 1
+        return count
+
+    def _fill_random(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
+        generator = torch.Generator(device=ctx.device).manual_seed(0)
+        count = len(pending)
+        for name in list(pending):
+            meta = get_tensor_attr(ctx.gm, name)
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=ctx.device)
+            if value.dim() >= 2:
+                value.normal_(0.0, self.config.random_std, generator=generator)
+            else:
+                value.fill_(1.0)
+            _assign(ctx.gm, name, value, pending.pop(name), ctx.device)
+        return count
+
+    def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
+        source = choose_weight_source(ctx.checkpoint, set(pending) | set(ctx.weight_hooks), ctx.dtype)
+        count, unexpected = 0, []
+        items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
+        for name, tensor in items:
+            if name in ctx.weight_hooks:
+                for hook in ctx.weight_hooks[name]:
+                    hook(tensor)
+            elif name in pending:
+                _assign(ctx.gm, name, tensor, pending.pop(name), ctx.device)
+            else:
+                unexpected.append(name)
+                continue
+            count += 1
+        if unexpected:
+            log.info("ignored %d checkpoint tensors not used by the graph (e.g. %s)", len(unexpected), unexpected[0])
+        return count
+
+
+def _meta_tensors(gm: fx.GraphModule) -> dict[str, bool]:
+    """Names of tensors still on meta -> whether each is a parameter."""
+    used = {n.target for n in gm.graph.find_nodes(op="get_attr")}
+    out = {name: True for name, p in gm.named_parameters() if p.device.type == "meta" and name in used}
+    out.update({name: False for name, b in gm.named_buffers() if b.device.type == "meta" and name in used})
+    return out
+
+
+def _assign(gm: fx.GraphModule, name: str, value: torch.Tensor, is_param: bool, device: torch.device) -> None:
+    meta = get_tensor_attr(gm, name)
+    if tuple(meta.shape) != tuple(value.shape):
+        raise RuntimeError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(meta.shape)}")
+    value = value.to(device=device, dtype=meta.dtype if meta.dtype.is_floating_point else value.dtype)
+    set_tensor_attr_replace(gm, name, value, is_param)
+
+
+def set_tensor_attr_replace(gm: fx.GraphModule, name: str, value: torch.Tensor, is_param: bool) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = gm.get_submodule(module_name) if module_name else gm
+    if is_param:
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        set_tensor_attr(gm, name, value, as_parameter=False)
+
+
+def _move_rest(gm: fx.GraphModule, device: torch.device) -> None:
+    for name, buf in list(gm.named_buffers()):
+        if buf.device != device and buf.device.type != "meta":
+            set_tensor_attr_replace(gm, name, buf.to(device), is_param=False)
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point ``device=`` arguments of factory ops (traced on the CPU) at the target device."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": device}
+        if node.target == torch.ops.aten.to.device:
+            node.args = (node.args[0], device, *node.args[2:])
+    gm.recompile()

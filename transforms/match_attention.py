@@ -1,0 +1,150 @@
+"""match_eager_attention / match_sdpa_attention: attention -> ``autodeploy::attention``.
+
+Eager attention is matched in the spellings HF models use: ``softmax(q @ k^T * scale [softcapped]
+[+ mask]) @ v`` with or without ``repeat_kv`` on k/v. SDPA is matched as the op itself. The mask is
+not matched structurally: it is evaluated and classified (causal / sliding window) by
+``autodeploy.graph.mask``; the canonical op carries the result as flags.
+
+Both rules replace a [B, H, S, D] ("bnsd") computation, so the replacement transposes into and out
+of the canonical [B, S, H, D] layout; the transposes cancel against the model's own later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from autodeploy.graph.mask import classify_mask, evaluate_for_length
+from autodeploy.graph.matcher import Match, schema_values
+from autodeploy.graph.meta import concrete_shape
+from autodeploy.graph.rewrite import PatternSpec, RewriteRule
+
+aten = torch.ops.aten
+SCALE = 0.0123456  # sentinels the patterns are traced with
+SOFTCAP = 43.21
+_IGNORE_REPEATS = {torch.ops.autodeploy.repeat_kv.default: {"n_rep"}, aten.softmax.int: {"dtype"}}
+
+
+def attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap):
+    """Canonical attention on [B, H, S, D] tensors (the layout HF computes attention in)."""
+    t = aten.transpose.int
+    out = torch.ops.autodeploy.attention.default(
+        t(q, 1, 2), t(k, 1, 2), t(v, 1, 2), scale, causal, sliding_window, logit_softcap
+    )
+    return t(out, 1, 2)
+
+
+def _example(masked: bool, repeat: bool) -> dict[str, torch.Tensor]:
+    kv_heads = 2 if repeat else 4
+    inputs = {"q": torch.randn(1, 4, 5, 8), "k": torch.randn(1, kv_heads, 5, 8), "v": torch.randn(1, kv_heads, 5, 8)}
+    if masked:
+        inputs["attn_mask"] = torch.zeros(1, 1, 5, 5)
+    return inputs
+
+
+def _eager_pattern(repeat: bool, scaled: bool, softcapped: bool, masked: bool):
+    def pattern(q, k, v, attn_mask=None, scale=None, softcap=None):
+        if repeat:
+            k, v = torch.ops.autodeploy.repeat_kv(k, 2), torch.ops.autodeploy.repeat_kv(v, 2)
+        scores = torch.matmul(q, k.transpose(2, 3))
+        if scaled:
+            scores = scores * scale
+        if softcapped:
+            scores = torch.tanh(scores / softcap) * softcap
+        if masked:
+            scores = scores + attn_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+
+    return pattern
+
+
+class _AttentionRule(RewriteRule):
+    """Shared mask handling of both attention rules."""
+
+    def mask_kind(self, m: Match, gm):
+        hints = tuple(gm.meta.get("autodeploy_window_hints", ()))
+        return classify_mask(gm, m.bindings.get("attn_mask"), hints)
+
+    def verification_inputs(self, m: Match, values: dict) -> None:
+        mask = m.bindings.get("attn_mask")
+        if mask is not None:
+            n = concrete_shape(mask.meta["val"])[-1]
+            real = evaluate_for_length(mask.graph.owning_module, mask, n)
+            values[mask] = real.reshape(values[mask].shape) if real.numel() == values[mask].numel() else real
+
+    def replacement(self, q, k, v, scale, causal, sliding_window, logit_softcap):
+        return attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap)
+
+
+class MatchEagerAttention(_AttentionRule):
+    name = "match_eager_attention"
+
+    def patterns(self) -> list[PatternSpec]:
+        specs = []
+        for repeat, scaled, softcapped, masked in itertools.product([True, False], repeat=4):
+            scalars = {}
+            if scaled:
+                scalars["scale"] = SCALE
+            if softcapped:
+                scalars["softcap"] = SOFTCAP
+            name = f"eager(repeat={repeat},scale={scaled},softcap={softcapped},mask={masked})"
+            fn = _eager_pattern(repeat, scaled, softcapped, masked)
+            specs.append(PatternSpec(fn, _example(masked, repeat), scalars, _IGNORE_REPEATS, name))
+        # most specific first: a pattern without the mask must not claim a masked attention's core
+        return sorted(specs, key=lambda s: -(len(s.example_inputs) + len(s.scalars)))
+
+    def replacement_kwargs(self, m: Match, gm) -> dict:
+        kind = self.mask_kind(m, gm)
+        return {
+            "q": m["q"],
+            "k": m["k"],
+            "v": m["v"],
+            "scale": float(m.bindings.get("scale", 1.0)),
+            "causal": kind.causal if "attn_mask" in m.bindings else False,
+            "sliding_window": kind.sliding_window,
+            "logit_softcap": m.bindings.get("softcap"),
+        }
+
+
+def _sdpa_pattern(repeat: bool, masked: bool):
+    def pattern(q, k, v, attn_mask=None):
+        if repeat:
+            k, v = torch.ops.autodeploy.repeat_kv(k, 2), torch.ops.autodeploy.repeat_kv(v, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=SCALE)
+
+    return pattern
+
+
+class MatchSDPAAttention(_AttentionRule):
+    name = "match_sdpa_attention"
+    _FLAGS = {"dropout_p", "is_causal", "scale", "enable_gqa"}
+
+    def patterns(self) -> list[PatternSpec]:
+        ignored = {**_IGNORE_REPEATS, aten.scaled_dot_product_attention.default: self._FLAGS}
+        return [
+            PatternSpec(_sdpa_pattern(repeat, masked), _example(masked, repeat), {}, ignored, f"sdpa(repeat={repeat},mask={masked})")
+            for repeat, masked in itertools.product([True, False], repeat=2)
+        ]
+
+    def check(self, m: Match, gm) -> str | None:
+        flags = dict(schema_values(m.anchor))
+        if flags["dropout_p"]:
+            return "dropout during inference"
+        if flags["attn_mask"] is not None and "attn_mask" not in m.bindings:
+            return "mask present but not matched"
+        return None
+
+    def replacement_kwargs(self, m: Match, gm) -> dict:
+        flags = dict(schema_values(m.anchor))
+        scale = flags["scale"] if flags["scale"] is not None else 1.0 / math.sqrt(m["q"].meta["val"].shape[-1])
+        if "attn_mask" in m.bindings:
+            kind = self.mask_kind(m, gm)
+            causal, window = kind.causal, kind.sliding_window
+        else:
+            causal, window = bool(flags["is_causal"]), None
+        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(scale), "causal": causal,
+                "sliding_window": window, "logit_softcap": None}
