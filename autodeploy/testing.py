@@ -1,0 +1,63 @@
+"""The shared rewrite-test helper (rule of the house 3): every rule and pass is tested with it.
+
+``check_rewrite`` exports a tiny eager module the way the compiler exports models, applies a rule
+(or any graph function), and checks the exact match count, that the graph is still valid, and that
+the rewritten graph equals eager on the example inputs *and* on a second, differently shaped input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+
+from . import ops  # noqa: F401  (registers the canonical ops)
+from .graph.cleanup import cleanup_graph
+from .graph.rewrite import RewriteRule, RuleResult, apply_rule
+
+
+@dataclass
+class RewriteCheck:
+    gm: fx.GraphModule
+    result: RuleResult
+
+    def count(self, target) -> int:
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def export_for_test(module: torch.nn.Module, inputs: tuple, dynamic: dict[int, int] | None = None) -> fx.GraphModule:
+    """Export ``module`` like the compiler does; ``dynamic`` maps input index -> dynamic dim."""
+    dynamic = dynamic or {}
+    shapes = tuple({dynamic[i]: torch.export.Dim(f"d{i}", min=1, max=4096)} if i in dynamic else None
+                   for i in range(len(inputs)))
+    with torch.no_grad():
+        program = torch.export.export(module.eval(), inputs, dynamic_shapes=shapes, strict=False)
+    gm = program.module()
+    return cleanup_graph(gm)
+
+
+def check_rewrite(
+    module: torch.nn.Module,
+    inputs: tuple,
+    rule: RewriteRule | Callable[[fx.GraphModule], RuleResult],
+    *,
+    expected_matches: int,
+    second_inputs: tuple | None = None,
+    dynamic: dict[int, int] | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> RewriteCheck:
+    gm = export_for_test(module, inputs, dynamic)
+    result = apply_rule(gm, rule, provenance="test") if isinstance(rule, RewriteRule) else rule(gm)
+    assert result.matches == expected_matches, (
+        f"expected {expected_matches} matches, got {result.matches} (rejected: {result.reasons})"
+    )
+    gm.graph.lint()
+    gm.recompile()
+    for args in [inputs] + ([second_inputs] if second_inputs is not None else []):
+        with torch.no_grad():
+            want, got = module(*args), gm(*args)
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    return RewriteCheck(gm, result)
