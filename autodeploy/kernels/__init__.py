@@ -1,0 +1,1 @@
+"""Triton kernels: pure functions called only from canonical-op backends (see ``autodeploy.ops``)."""
