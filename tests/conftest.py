@@ -4,8 +4,17 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama checkpoint (real HF modeling code), shared by the session."""
+    from autodeploy.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))

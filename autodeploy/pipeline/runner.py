@@ -71,16 +71,14 @@ def load_pipeline(path: str | Path | None = None, overrides: dict[str, dict[str,
 
 def check_order(entries: list[PipelineEntry]) -> None:
     """Stages never go backwards; every enabled pass's requirements are ensured before it runs."""
-    available = set(INITIAL_PROPERTIES)
-    last = None
-    for entry in entries:
-        stage = entry.pass_cls.stage
-        if last is not None and stage < last.pass_cls.stage:
+    for before, after in zip(entries, entries[1:]):
+        if after.pass_cls.stage < before.pass_cls.stage:
             raise ConfigError(
-                f"pass '{entry.name}' (stage {stage.name.lower()}) cannot run after "
-                f"'{last.name}' (stage {last.pass_cls.stage.name.lower()})"
+                f"pass '{after.name}' (stage {after.pass_cls.stage.name.lower()}) cannot run after "
+                f"'{before.name}' (stage {before.pass_cls.stage.name.lower()})"
             )
-        last = entry
+    available = set(INITIAL_PROPERTIES)
+    for entry in entries:
         if not entry.config.enabled:
             continue
         missing = set(entry.pass_cls.requires) - available

@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+import autodeploy
+from autodeploy.check import run_check
+from autodeploy.compiler import compile_config
+from autodeploy.config import CompileConfig
+from autodeploy.errors import ConfigError, ModelLoadError, PassError
+from autodeploy.tiny import tiny_config
+
+CPU = {"device": "cpu", "dtype": "float32", "max_seq_len": 128}
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("dump")
+    return autodeploy.compile(tiny_llama, dump_dir=str(dump), **CPU), dump
+
+
+def test_report_lists_every_pass_and_canonical_ops(compiled):
+    model, _ = compiled
+    names = [r.name for r in model.report.passes]
+    assert names[:2] == ["canonicalize_attention", "canonicalize_rope"]
+    assert model.report.op_counts["paged_attention"] == 2
+    assert model.report.op_counts["rope"] == 4 and model.report.op_counts["rms_norm"] == 5
+    table = model.report.pass_table()
+    assert "canonicalize_attention" in table and "match_eager_attention=2" in table
+    assert set(model.report.stage_seconds) == {"build", "export", "passes"}
+
+
+def test_graph_inputs_follow_the_metadata_contract(compiled):
+    model, _ = compiled
+    inputs = [n.name for n in model.gm.graph.find_nodes(op="placeholder")]
+    assert inputs[:2] == ["input_ids", "position_ids"]
+    assert {"query_lens", "context_lens", "cu_seqlens", "block_table", "slot_mapping", "logits_indices"} <= set(inputs)
+    assert [i for i in inputs if i.startswith("kv_cache_")] == ["kv_cache_0", "kv_cache_1"]
+
+
+def test_dumps_and_provenance(compiled):
+    model, dump = compiled
+    files = sorted(p.name for p in dump.iterdir())
+    assert files[0] == "00_exported.txt" and any("insert_kv_cache" in f for f in files)
+    provenance = {n.meta.get("autodeploy_provenance") for n in model.gm.graph.nodes}
+    assert "canonicalize_norms/match_rms_norm" in provenance
+    assert any(p and p.startswith("insert_kv_cache/layer") for p in provenance)
+    assert "canonicalize_rope/match_rope" in (dump / "02_canonicalize_rope.txt").read_text()
+
+
+def test_logits_only_at_the_last_token_of_each_chunk(compiled):
+    from autodeploy.kvcache.metadata import SequenceChunk
+
+    model, _ = compiled
+    chunks = [SequenceChunk((1, 2, 3), 0, (0,)), SequenceChunk((4, 5), 0, (1,))]
+    assert tuple(model(chunks).shape) == (2, model.vocab_size)
+
+
+def test_canary_passes_with_sdpa_export(tiny_llama):
+    result = run_check(tiny_llama, steps=4, prompt_lens=(3, 9), attn_implementation="sdpa")
+    assert result.passed, result.summary()
+    assert result.tokens_compared == 8
+
+
+def test_random_weights_from_config_alone():
+    config = CompileConfig(weights="random", **CPU)
+    model = compile_config(tiny_config("llama"), config)
+    assert model.report.op_counts["paged_attention"] == 2
+    with pytest.raises(ConfigError, match="weights='random'"):
+        compile_config(tiny_config("llama"), CompileConfig(**CPU))
+
+
+def test_missing_canonicalization_is_an_error_naming_the_pass(tiny_llama):
+    overrides = {"canonicalize_attention": {"rules": ["match_repeat_kv"]}}
+    with pytest.raises(PassError) as info:
+        autodeploy.compile(tiny_llama, passes=overrides, **CPU)
+    message = str(info.value)
+    assert "pass 'canonicalize_attention' failed" in message and "not canonicalized" in message
+    assert "AUTODEPLOY_DUMP_DIR" in message
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, tiny_llama):
+    with pytest.raises(ModelLoadError, match="config.json not found"):
+        autodeploy.compile(tmp_path)
+    with pytest.raises(ConfigError, match="no_such_option"):
+        autodeploy.compile(tiny_llama, no_such_option=1)
+
+
+def test_pickle_weights_need_opt_in(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="allow_pickle"):
+        autodeploy.compile(tmp_path, **CPU)
+    compiled = autodeploy.compile(tmp_path, allow_pickle=True, **CPU)
+    assert compiled.report.op_counts["paged_attention"] == 2
+    assert torch.equal(
+        compiled.gm.get_parameter("model.embed_tokens.weight"), model.model.embed_tokens.weight.detach()
+    )

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from autodeploy.kvcache.metadata import GRAPH_INPUTS, BatchMetadata, SequenceChunk
+from autodeploy.kvcache.pool import KVCacheSpec, KVCapacity, KVPool
+
+
+def test_build_flattens_chunks():
+    chunks = [SequenceChunk((7, 8, 9), 0, (5,)), SequenceChunk((4,), 6, (1, 2))]
+    b = BatchMetadata.build(chunks, block_size=4, device="cpu")
+    assert b.input_ids.tolist() == [7, 8, 9, 4]
+    assert b.position_ids.tolist() == [0, 1, 2, 6]
+    assert b.query_lens.tolist() == [3, 1] and b.context_lens.tolist() == [0, 6]
+    assert b.cu_seqlens.tolist() == [0, 3, 4]
+    assert b.block_table.tolist() == [[5, -1], [1, 2]]
+    assert b.slot_mapping.tolist() == [20, 21, 22, 2 * 4 + 2]
+    assert b.logits_indices.tolist() == [2, 3]
+    assert list(b.as_kwargs()) == list(GRAPH_INPUTS)
+    assert all(t.dtype == torch.int64 for t in b.as_kwargs().values())
+
+
+def test_build_rejects_missing_blocks_and_empty_steps():
+    with pytest.raises(ValueError, match="needs 5 slots"):
+        BatchMetadata.build([SequenceChunk((1, 2), 3, (0,))], block_size=4, device="cpu")
+    with pytest.raises(ValueError, match="at least one"):
+        BatchMetadata.build([], block_size=4, device="cpu")
+
+
+def test_pool_layout_and_capacity():
+    specs = [KVCacheSpec(2, 8, torch.float16), KVCacheSpec(2, 8, torch.float16)]
+    assert specs[0].bytes_per_token() == 2 * 2 * 8 * 2
+    per_block = KVPool.bytes_per_block(specs, 16)
+    assert per_block == 16 * 2 * 64
+    assert KVPool.blocks_for_budget(specs, 16, per_block * 10 + 5) == 10
+    pool = KVPool(specs, 3, 16, "cpu")
+    assert [tuple(c.shape) for c in pool.caches] == [(3, 2, 16, 2, 8)] * 2
+    assert list(pool.as_kwargs()) == ["kv_cache_0", "kv_cache_1"]
+    cap = KVCapacity(num_blocks=64, block_size=16, max_seq_len=256)
+    assert cap.num_tokens == 1024 and cap.seqs_at_max_len == 4
+    assert "64 blocks" in cap.describe()
