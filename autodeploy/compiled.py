@@ -16,7 +16,8 @@ from torch import fx
 from transformers import PretrainedConfig
 
 from .config import CompileConfig
-from .kvcache.metadata import BatchMetadata, SequenceChunk
+from .cudagraph import CudaGraphRunner
+from .kvcache.metadata import BatchMetadata, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVCapacity, KVPool
 
 
@@ -50,6 +51,7 @@ class CompiledModel:
         config: CompileConfig,
         report: CompileReport,
         model_dir: Path | None,
+        cuda_graphs: CudaGraphRunner | None = None,
     ):
         self.gm = gm
         self.pool = pool
@@ -58,6 +60,10 @@ class CompiledModel:
         self.config = config
         self.report = report
         self.model_dir = model_dir
+        self.cuda_graphs = cuda_graphs
+        # metadata staging buffers sized for the largest step (max_num_tokens, max_batch_size, max_seq_len)
+        largest = Padding(config.max_num_tokens, config.max_batch_size, -(-capacity.max_seq_len // pool.block_size))
+        self._buffers = StepBuffers(largest.metadata_size, report.device)
 
     @property
     def device(self) -> torch.device:
@@ -81,14 +87,22 @@ class CompiledModel:
 
     def prepare(self, chunks: list[SequenceChunk]) -> BatchMetadata:
         """Batch metadata of one step, on the device (one host-to-device copy)."""
-        return BatchMetadata.build(chunks, self.block_size, self.device)
+        fits = sum(len(c.token_ids) for c in chunks) <= self.config.max_num_tokens and len(chunks) <= self.config.max_batch_size
+        return BatchMetadata.build(chunks, self.block_size, self.device, buffers=self._buffers if fits else None)
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` at each sequence's last scheduled token."""
+        """Logits ``[num_seqs, vocab]`` at each sequence's last scheduled token (eager graph)."""
         return self.gm(**batch.as_kwargs(), **self.pool.as_kwargs())
 
+    @torch.inference_mode()
     def __call__(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """One step: logits ``[len(chunks), vocab]``; decode steps replay a CUDA graph when captured.
+
+        The returned tensor may be a view of a graph's static output: consume it before the next step.
+        """
+        if self.cuda_graphs is not None and self.cuda_graphs.fits(chunks):
+            return self.cuda_graphs.run(chunks)
         return self.forward(self.prepare(chunks))
 
 

@@ -83,7 +83,8 @@ def compile_config(
     )
     model_dir = checkpoint.path if checkpoint else None
     return CompiledModel(
-        ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir
+        ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
+        cuda_graphs=ctx.artifacts.get("cuda_graphs"),
     )
 
 

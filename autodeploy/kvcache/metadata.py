@@ -69,37 +69,88 @@ class BatchMetadata:
         return {name: getattr(self, name) for name in GRAPH_INPUTS}
 
     @classmethod
-    def build(cls, chunks: list[SequenceChunk], block_size: int, device: torch.device | str) -> "BatchMetadata":
-        """Flatten ``chunks`` into one step; one host buffer, one host-to-device copy."""
+    def build(
+        cls,
+        chunks: list[SequenceChunk],
+        block_size: int,
+        device: torch.device | str,
+        *,
+        pad: "Padding | None" = None,
+        buffers: "StepBuffers | None" = None,
+    ) -> "BatchMetadata":
+        """Flatten ``chunks`` into one step: one host buffer, one host-to-device copy.
+
+        ``pad`` grows the step to fixed sizes (CUDA graphs): padding tokens write no cache slot
+        (-1) and padding sequences have no tokens. ``buffers`` reuses pinned host and device memory.
+        """
         if not chunks:
             raise ValueError("a step needs at least one sequence")
-        num_seqs = len(chunks)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        sizes = _field_sizes(num_tokens, num_seqs, max_blocks)
-        host = torch.empty(sum(sizes.values()), dtype=torch.int64, pin_memory=_can_pin(device))
-        fields = dict(zip(sizes, torch.split(host, list(sizes.values()))))
-        _fill(fields, chunks, block_size, max_blocks)
-        dev = host.to(device, non_blocking=True)
+        shape = Padding.of(chunks) if pad is None else pad.covering(chunks)
+        values = _values(chunks, block_size, shape)
+        sizes = {name: len(v) for name, v in values.items()}
+        total = sum(sizes.values())
+        if buffers is None:
+            host = torch.tensor([x for v in values.values() for x in v], dtype=torch.int64)
+            dev = host.to(device)
+        else:
+            host, dev = buffers.stage(total)
+            host.copy_(torch.tensor([x for v in values.values() for x in v], dtype=torch.int64))
+            dev.copy_(host, non_blocking=True)
+            buffers.record()
         views = dict(zip(sizes, torch.split(dev, list(sizes.values()))))
-        views["block_table"] = views["block_table"].view(num_seqs, max_blocks)
+        views["block_table"] = views["block_table"].view(shape.num_seqs, shape.max_blocks)
         return cls(**views)
 
 
-def _field_sizes(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, int]:
-    return {
-        "input_ids": num_tokens,
-        "position_ids": num_tokens,
-        "query_lens": num_seqs,
-        "context_lens": num_seqs,
-        "cu_seqlens": num_seqs + 1,
-        "block_table": num_seqs * max_blocks,
-        "slot_mapping": num_tokens,
-        "logits_indices": num_seqs,
-    }
+@dataclass(frozen=True)
+class Padding:
+    """Fixed step sizes: token count, sequence count, block-table width."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+
+    @classmethod
+    def of(cls, chunks: list[SequenceChunk]) -> "Padding":
+        return cls(sum(len(c.token_ids) for c in chunks), len(chunks), max(len(c.block_ids) for c in chunks))
+
+    @property
+    def metadata_size(self) -> int:
+        """Number of int64 values of a step of this shape (all fields together)."""
+        return 3 * self.num_tokens + 4 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+
+    def covering(self, chunks: list[SequenceChunk]) -> "Padding":
+        need = Padding.of(chunks)
+        if need.num_tokens > self.num_tokens or need.num_seqs > self.num_seqs or need.max_blocks > self.max_blocks:
+            raise ValueError(f"step {need} does not fit the padded shape {self}")
+        return self
 
 
-def _fill(fields: dict[str, torch.Tensor], chunks: list[SequenceChunk], block_size: int, max_blocks: int) -> None:
+class StepBuffers:
+    """Reused pinned host staging buffers (two, alternating) and one device buffer for metadata."""
+
+    def __init__(self, capacity: int, device: torch.device | str):
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.hosts = [torch.empty(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self.turn = 0
+
+    def stage(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if size > self.dev.numel():
+            raise ValueError(f"step metadata of {size} values exceeds the buffer of {self.dev.numel()}")
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()  # the copy that last read this host buffer is done
+        return self.hosts[self.turn][:size], self.dev[:size]
+
+    def record(self) -> None:
+        if self.events[self.turn] is not None:
+            self.events[self.turn].record()
+
+
+def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dict[str, list[int]]:
     ids, positions, slots, query_lens, context_lens, table = [], [], [], [], [], []
     for chunk in chunks:
         if chunk.end > len(chunk.block_ids) * block_size:
@@ -110,23 +161,18 @@ def _fill(fields: dict[str, torch.Tensor], chunks: list[SequenceChunk], block_si
         slots.extend(chunk.block_ids[p // block_size] * block_size + p % block_size for p in pos)
         query_lens.append(len(chunk.token_ids))
         context_lens.append(chunk.context_len)
-        table.extend(list(chunk.block_ids) + [-1] * (max_blocks - len(chunk.block_ids)))
+        table.extend(list(chunk.block_ids) + [-1] * (shape.max_blocks - len(chunk.block_ids)))
     cu = [0]
     for n in query_lens:
         cu.append(cu[-1] + n)
-    values = {
-        "input_ids": ids,
-        "position_ids": positions,
-        "query_lens": query_lens,
-        "context_lens": context_lens,
-        "cu_seqlens": cu,
-        "block_table": table,
-        "slot_mapping": slots,
-        "logits_indices": [end - 1 for end in cu[1:]],
+    pad_tokens, pad_seqs = shape.num_tokens - len(ids), shape.num_seqs - len(chunks)
+    return {
+        "input_ids": ids + [0] * pad_tokens,
+        "position_ids": positions + [0] * pad_tokens,
+        "query_lens": query_lens + [0] * pad_seqs,
+        "context_lens": context_lens + [0] * pad_seqs,
+        "cu_seqlens": cu + [cu[-1]] * pad_seqs,
+        "block_table": table + [-1] * (pad_seqs * shape.max_blocks),
+        "slot_mapping": slots + [-1] * pad_tokens,
+        "logits_indices": [end - 1 for end in cu[1:]] + [0] * pad_seqs,
     }
-    for name, vals in values.items():
-        fields[name].copy_(torch.tensor(vals, dtype=torch.int64))
-
-
-def _can_pin(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cuda" and torch.cuda.is_available()

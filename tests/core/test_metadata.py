@@ -38,3 +38,21 @@ def test_pool_layout_and_capacity():
     cap = KVCapacity(num_blocks=64, block_size=16, max_seq_len=256)
     assert cap.num_tokens == 1024 and cap.seqs_at_max_len == 4
     assert "64 blocks" in cap.describe()
+
+
+def test_padding_for_static_shapes_and_reused_buffers():
+    from autodeploy.kvcache.metadata import Padding, StepBuffers
+
+    chunks = [SequenceChunk((3,), 4, (2, 7)), SequenceChunk((5,), 0, (1,))]
+    pad = Padding(num_tokens=4, num_seqs=4, max_blocks=3)
+    buffers = StepBuffers(pad.metadata_size, "cpu")
+    b = BatchMetadata.build(chunks, block_size=4, device="cpu", pad=pad, buffers=buffers)
+    assert b.input_ids.tolist() == [3, 5, 0, 0]
+    assert b.slot_mapping.tolist() == [7 * 4 + 0, 4, -1, -1]  # padding tokens write nothing
+    assert b.query_lens.tolist() == [1, 1, 0, 0] and b.cu_seqlens.tolist() == [0, 1, 2, 2, 2]
+    assert b.block_table.tolist() == [[2, 7, -1], [1, -1, -1], [-1] * 3, [-1] * 3]
+    again = BatchMetadata.build(chunks[:1], block_size=4, device="cpu", pad=pad, buffers=buffers)
+    assert again.input_ids.data_ptr() == b.input_ids.data_ptr()  # same static storage, refilled
+    assert b.query_lens.tolist() == [1, 0, 0, 0]
+    with pytest.raises(ValueError, match="does not fit"):
+        BatchMetadata.build(chunks * 3, block_size=4, device="cpu", pad=pad)

@@ -1,0 +1,39 @@
+"""compile_cuda_graphs: capture decode steps as CUDA graphs (see ``autodeploy.cudagraph``).
+
+Skipped, with the reason in the pass table, on the CPU and with attention backends that synchronize
+with the host (the torch reference backend).
+"""
+
+from __future__ import annotations
+
+from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
+from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
+
+CAPTURABLE_BACKENDS = {"triton", "flashinfer"}
+
+
+class CudaGraphConfig(PassConfig):
+    batch_sizes: list[int] | None = None  # default: default_batch_sizes(max_batch_size)
+
+
+class CompileCudaGraphs(Pass):
+    name = "compile_cuda_graphs"
+    stage = Stage.COMPILE
+    requires = ("kv_cache_allocated",)
+    ensures = ("cuda_graphs",)
+    Config = CudaGraphConfig
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        if ctx.device.type != "cuda":
+            return PassResult(0, "skipped: not on CUDA")
+        backend = ctx.artifacts.get("attention_backend", ctx.config.attention_backend)
+        if backend not in CAPTURABLE_BACKENDS:
+            return PassResult(0, f"skipped: attention backend '{backend}' cannot be captured")
+        max_bs = ctx.config.max_batch_size
+        sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
+        pool = ctx.artifacts["kv_pool"]
+        max_blocks = -(-ctx.artifacts["max_seq_len"] // pool.block_size)
+        runner = CudaGraphRunner(ctx.gm, pool, sizes, max_blocks)
+        runner.capture()
+        ctx.artifacts["cuda_graphs"] = runner
+        return PassResult(len(sizes), f"batch sizes {sizes} captured in {runner.capture_seconds:.1f} s")
