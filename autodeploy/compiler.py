@@ -58,7 +58,7 @@ def compile_config(
     timings["build"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    gm = export_model(model, max_num_tokens=max(config.max_num_tokens, 2))
+    gm = export_model(model)
     timings["export"] = time.perf_counter() - start
     gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
     del model

@@ -39,14 +39,16 @@ class FlatTokens(torch.nn.Module):
         return out.logits[0]
 
 
-def export_model(model: torch.nn.Module, max_num_tokens: int = 1 << 20) -> fx.GraphModule:
+def export_model(model: torch.nn.Module) -> fx.GraphModule:
     """Export ``model`` (built on meta) with a dynamic token dimension; no patches applied.
 
     Parameters are traced as fake CPU tensors rather than meta tensors so that constants the model
     creates while running (e.g. ``torch.tensor(0.0)`` in mask code) keep their real values.
     """
     _fakeify(model, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
-    num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
+    # Dim.DYNAMIC rather than a named range: torch 2.11 emits guards it cannot prove
+    # (min(16*T, 32*T) == 16*T) and rejects a ranged Dim; the graph carries no runtime guards anyway.
+    num_tokens = Dim.DYNAMIC
     input_ids = torch.zeros(EXAMPLE_TOKENS, dtype=torch.int64)
     position_ids = torch.arange(EXAMPLE_TOKENS, dtype=torch.int64)
     start = time.perf_counter()
