@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -29,7 +30,8 @@ def propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
         if node.op != "call_function":
             continue
         args, kwargs = pytree.tree_map(node_val, (node.args, node.kwargs))
-        with mode:
+        # the python dispatcher lets composite ops (linear -> matmul) decompose on symbolic sizes
+        with mode, enable_python_dispatcher():
             node.meta["val"] = node.target(*args, **kwargs)
 
 
