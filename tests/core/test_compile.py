@@ -23,6 +23,8 @@ def test_report_lists_every_pass_and_canonical_ops(compiled):
     assert names[:2] == ["canonicalize_attention", "canonicalize_rope"]
     assert model.report.op_counts["paged_attention"] == 2
     assert model.report.op_counts["rope"] == 4 and model.report.op_counts["rms_norm"] == 5
+    assert [s.num_kv_heads for s in model.pool.specs] == [2, 2]  # GQA kept: the cache holds kv heads only
+    assert "match_repeat_kv=4" in model.report.pass_table()
     table = model.report.pass_table()
     assert "canonicalize_attention" in table and "match_eager_attention=2" in table
     assert set(model.report.stage_seconds) == {"build", "export", "passes"}

@@ -131,3 +131,18 @@ def test_check_order_on_custom_classes():
     check_order([PipelineEntry("early", Early, PassConfig()), PipelineEntry("late", Late, PassConfig())])
     with pytest.raises(ConfigError):
         check_order([PipelineEntry("late", Late, PassConfig())])
+
+
+def test_cleanup_removes_noop_slices_and_arithmetic():
+    import torch
+
+    from autodeploy.testing import export_for_test
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x[:, :, None, :][:, :, :, 0:] * 1.0 + 0).sum(-1)
+
+    gm = export_for_test(M(), (torch.randn(2, 3, 4),))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.slice.Tensor not in targets and torch.ops.aten.mul.Tensor not in targets
+    assert torch.ops.aten.add.Tensor not in targets
