@@ -20,6 +20,7 @@ from .compiled import CompiledModel
 from .compiler import compile as compile_model
 from .kvcache.allocator import BlockAllocator, blocks_needed
 from .kvcache.metadata import SequenceChunk
+from .model_loading import resolve_model_path
 
 DEFAULT_PROMPT_LENS = (5, 23, 12, 40)
 
@@ -83,7 +84,7 @@ def run_check(
     **compile_options: Any,
 ) -> CheckResult:
     """Compile (unless ``compiled`` is given) and compare with HF eager; see the module docstring."""
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_path(model_dir)  # the reference reads the same (converted) checkpoint
     options = {"dtype": "float32", "device": "cpu", **compile_options}
     options.setdefault("max_seq_len", max(prompt_lens) + steps + 1)
     model = compiled or compile_model(model_dir, **options)

@@ -20,7 +20,7 @@ from .compiled import CompiledModel, CompileReport, canonical_op_counts
 from .config import CompileConfig, validate
 from .errors import ConfigError
 from .export import export_model
-from .model_loading import Checkpoint, build_meta_model, open_checkpoint, resolve_dtype
+from .model_loading import Checkpoint, build_meta_model, open_checkpoint, resolve_dtype, resolve_model_path
 from .pipeline import CompileContext, load_pipeline, run_pipeline
 
 log = logging.getLogger("autodeploy")
@@ -29,13 +29,14 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 
 def compile(model_dir: str | Path, **options: Any) -> CompiledModel:  # noqa: A001 (public API name)
-    """Compile the HF causal LM in ``model_dir`` (config.json + safetensors) for inference.
+    """Compile the HF causal LM in ``model_dir`` (config.json + safetensors, or a ``.gguf`` file,
+    converted once into a cached checkpoint) for inference.
 
     ``options`` are the fields of :class:`autodeploy.config.CompileConfig`.
     """
     config = validate(CompileConfig, options, "compile options")
     checkpoint = open_checkpoint(
-        model_dir,
+        resolve_model_path(model_dir),
         allow_pickle=config.allow_pickle,
         trust_remote_code=config.trust_remote_code,
         require_weights=config.weights == "checkpoint",

@@ -56,7 +56,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 class LLM:
     def __init__(self, model_dir: str, **options: Any):
         self.model: CompiledModel = compile_model(model_dir, **options)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = _load_tokenizer(self.model.model_dir)  # the resolved checkpoint (GGUF: converted)
         self.eos_token_ids = _eos_ids(self.model.hf_config, self.tokenizer)
 
     def generate(
@@ -126,7 +126,7 @@ class _GenerationLoop:
             out.finish_reason = "length"
 
 
-def _load_tokenizer(model_dir: str):
+def _load_tokenizer(model_dir):
     from pathlib import Path
 
     from transformers import AutoTokenizer

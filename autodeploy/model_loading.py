@@ -39,6 +39,16 @@ class Checkpoint:
         return all(f.suffix == SAFETENSORS_SUFFIX for f in self.weight_files)
 
 
+def resolve_model_path(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` stands for: a checkpoint directory as it is; a ``.gguf``
+    file, or a directory holding exactly one (and no config.json), converted once into a cached HF
+    checkpoint (see ``autodeploy.gguf_convert``)."""
+    from .gguf_convert import converted_checkpoint, find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    return converted_checkpoint(gguf_file) if gguf_file is not None else Path(path).expanduser()
+
+
 def open_checkpoint(
     model_dir: str | Path, *, allow_pickle: bool = False, trust_remote_code: bool = False, require_weights: bool = True
 ) -> Checkpoint:
