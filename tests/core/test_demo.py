@@ -41,7 +41,6 @@ CHAT_PROMPTS = (
     "Write one sentence about the sea.",
 )
 MAX_TOKENS = 24
-NO_MOE = {"canonicalize_moe": {"enabled": False}}  # transforms/ on main has no match_moe rule yet
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def demo_dir():
 
 @pytest.fixture(scope="module")
 def llm(demo_dir):
-    return LLM(str(demo_dir), dtype="float32", device="cpu", max_seq_len=256, passes=NO_MOE)
+    return LLM(str(demo_dir), dtype="float32", device="cpu", max_seq_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,6 @@ from autodeploy.model_loading import resolve_model_path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # transforms/ on main has no match_moe rule yet; these models have no MoE
-NO_MOE = ["--set", "passes.canonicalize_moe.enabled=false"]
-NO_MOE_PASSES = {"canonicalize_moe": {"enabled": False}}
 
 
 @pytest.fixture
@@ -143,7 +141,7 @@ def test_missing_gguf_support_says_what_to_install(cache, tiny_q8, monkeypatch):
 def test_cli_check_accepts_a_gguf_file(cache, tiny_q8, capsys):
     """compile + the HF-eager canary on the converted weights, through the CLI, from the .gguf path."""
     args = ["check", str(tiny_q8), "--device", "cpu", "--steps", "4", "--prompt_lens", "5,9"]
-    code = cli_main(args + NO_MOE)
+    code = cli_main(args)
     assert code == 0, capsys.readouterr()
     assert "PASS" in capsys.readouterr().out
 
@@ -152,7 +150,7 @@ def test_llm_accepts_a_gguf_file(cache, tiny_q8):
     """LLM compiles from the .gguf path and takes the tokenizer from the converted checkpoint."""
     from autodeploy import LLM, SamplingParams
 
-    llm = LLM(str(tiny_q8), dtype="float32", device="cpu", max_seq_len=64, passes=NO_MOE_PASSES)
+    llm = LLM(str(tiny_q8), dtype="float32", device="cpu", max_seq_len=64)
     assert llm.model.model_dir == converted_checkpoint(tiny_q8)
     assert llm.tokenizer.eos_token_id == 2 and 2 in llm.eos_token_ids
     out = llm.generate("the theory", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
