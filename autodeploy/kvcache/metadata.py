@@ -13,7 +13,8 @@ context_lens       [B]          tokens of each sequence already in the KV cache
 cu_seqlens         [B + 1]      prefix sums of query_lens (token offsets into T)
 block_table        [B, M]       KV blocks of each sequence, in order (-1 padded)
 slot_mapping       [T]          cache slot (block * block_size + offset) each token writes; -1 = skip
-logits_indices     [B]          index into T of the token whose logits are returned (last of each chunk)
+logits_indices     [L]          indices into T of the tokens whose logits are returned: the last
+                                ``num_logits`` tokens of each chunk (1 by default, so L = B)
 =================  ===========  ==========================================================
 
 All integer tensors are int64, built in one pinned host buffer and copied to the device in one copy.
@@ -32,11 +33,16 @@ GRAPH_INPUTS = TOKEN_INPUTS + METADATA_INPUTS
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """What one sequence contributes to a step: ``token_ids`` at positions ``context_len...``."""
+    """What one sequence contributes to a step: ``token_ids`` at positions ``context_len...``.
+
+    ``num_logits`` asks for the logits of the chunk's last ``num_logits`` tokens instead of only
+    the last one (prompt log-probabilities need every position).
+    """
 
     token_ids: tuple[int, ...]
     context_len: int
     block_ids: tuple[int, ...]
+    num_logits: int = 1
 
     @property
     def end(self) -> int:
@@ -64,6 +70,10 @@ class BatchMetadata:
     def num_seqs(self) -> int:
         return self.query_lens.shape[0]
 
+    @property
+    def num_logits(self) -> int:
+        return self.logits_indices.shape[0]
+
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword inputs of the compiled graph (cache tensors come from the pool)."""
         return {name: getattr(self, name) for name in GRAPH_INPUTS}
@@ -76,7 +86,8 @@ class BatchMetadata:
         num_seqs = len(chunks)
         max_blocks = max(len(c.block_ids) for c in chunks)
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        sizes = _field_sizes(num_tokens, num_seqs, max_blocks)
+        num_logits = sum(c.num_logits for c in chunks)
+        sizes = _field_sizes(num_tokens, num_seqs, max_blocks, num_logits)
         host = torch.empty(sum(sizes.values()), dtype=torch.int64, pin_memory=_can_pin(device))
         fields = dict(zip(sizes, torch.split(host, list(sizes.values()))))
         _fill(fields, chunks, block_size, max_blocks)
@@ -86,7 +97,7 @@ class BatchMetadata:
         return cls(**views)
 
 
-def _field_sizes(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, int]:
+def _field_sizes(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int) -> dict[str, int]:
     return {
         "input_ids": num_tokens,
         "position_ids": num_tokens,
@@ -95,7 +106,7 @@ def _field_sizes(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, i
         "cu_seqlens": num_seqs + 1,
         "block_table": num_seqs * max_blocks,
         "slot_mapping": num_tokens,
-        "logits_indices": num_seqs,
+        "logits_indices": num_logits,
     }
 
 
@@ -104,6 +115,8 @@ def _fill(fields: dict[str, torch.Tensor], chunks: list[SequenceChunk], block_si
     for chunk in chunks:
         if chunk.end > len(chunk.block_ids) * block_size:
             raise ValueError(f"sequence needs {chunk.end} slots but has {len(chunk.block_ids)} blocks")
+        if not 1 <= chunk.num_logits <= len(chunk.token_ids):
+            raise ValueError(f"num_logits must be in [1, {len(chunk.token_ids)}], got {chunk.num_logits}")
         ids.extend(chunk.token_ids)
         pos = range(chunk.context_len, chunk.end)
         positions.extend(pos)
@@ -122,7 +135,7 @@ def _fill(fields: dict[str, torch.Tensor], chunks: list[SequenceChunk], block_si
         "cu_seqlens": cu,
         "block_table": table,
         "slot_mapping": slots,
-        "logits_indices": [end - 1 for end in cu[1:]],
+        "logits_indices": [i for c, end in zip(chunks, cu[1:]) for i in range(end - c.num_logits, end)],
     }
     for name, vals in values.items():
         fields[name].copy_(torch.tensor(vals, dtype=torch.int64))
