@@ -113,7 +113,9 @@ class _CompletionView:
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(entry.logprob)
-            top = dict(zip(token_strings(tokenizer, [t for t, _ in entry.top]), (lp for _, lp in entry.top)))
+            top: dict[str, float] = {}
+            for text, (_, logprob) in zip(token_strings(tokenizer, [t for t, _ in entry.top]), entry.top):
+                top.setdefault(text, logprob)  # tokens with the same text: keep the likelier
             top.setdefault(token, entry.logprob)  # the chosen token is always listed
             result.top_logprobs.append(top)
         self._offsets[key] = offset
