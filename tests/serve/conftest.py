@@ -55,6 +55,11 @@ def compile_passes() -> dict:
 
 
 @pytest.fixture(scope="session")
+def pass_overrides() -> dict:
+    return compile_passes()
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from autodeploy.tiny import make_tiny_checkpoint
 
