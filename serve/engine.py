@@ -49,7 +49,7 @@ class EngineConfig:
 class EngineStats:
     """A snapshot of the engine's state and running totals."""
 
-    num_running: int
+    num_running: int  # sequences (a request with n choices has n)
     num_waiting: int
     num_blocks: int
     num_used_blocks: int
@@ -140,6 +140,9 @@ class Engine:
         """Run one batch; returns the reports of the requests that changed."""
         schedule = self.scheduler.schedule()
         self.last_batch_size = len(schedule.chunks)
+        if not schedule.chunks and not self._unreported and self.scheduler.has_work:
+            # cannot happen when requests are validated against the pool size; never spin silently
+            raise RuntimeError("the scheduler made no progress with requests waiting")
         pending = self.runner.launch(schedule) if schedule.chunks else None
         reports = self._report(self._unreported) if self.overlap else []
         self._unreported = []
@@ -182,7 +185,7 @@ class Engine:
             self._finish(seq, "length", None)
 
     def _collect_prompt_logprobs(self, seq: Sequence, by_position: dict) -> None:
-        if not by_position:
+        if seq.params.prompt_logprobs is None or seq.index != 0:
             return
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None]  # nothing scores the first prompt token

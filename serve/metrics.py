@@ -112,8 +112,8 @@ class _EngineCollector:
         if stats is None:  # still loading
             return
         values = {
-            "num_requests_running": ("Requests running", stats.num_running),
-            "num_requests_waiting": ("Requests waiting", stats.num_waiting),
+            "num_requests_running": ("Sequences running (n per request with n choices)", stats.num_running),
+            "num_requests_waiting": ("Sequences waiting (n per request with n choices)", stats.num_waiting),
             "kv_cache_usage_perc": ("Share of KV blocks in use (0-1)", stats.kv_usage),
             "kv_cache_used_blocks": ("KV blocks in use", stats.num_used_blocks),
             "kv_cache_max_blocks": ("KV blocks in the pool", stats.num_blocks),

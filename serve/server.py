@@ -69,13 +69,28 @@ def _count_failure(request: Request, state: ServerState, status: int) -> None:
 
 
 def _add_api_key_check(app: FastAPI, state: ServerState) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_APIKeyCheck, state=state)
+
+
+class _APIKeyCheck:
+    """401 on ``/v1`` routes without ``Authorization: Bearer <key>`` when a key is set.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects
+    from the handlers (``Request.is_disconnected``), and those abort requests.
+    """
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        key = self.state.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                await JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

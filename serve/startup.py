@@ -34,7 +34,6 @@ class ServeSettings(BaseModel):
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
-    uvicorn_log_level: str = Field("warning", description="uvicorn's log level")
 
 
 @dataclass(frozen=True)

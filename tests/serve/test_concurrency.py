@@ -65,3 +65,26 @@ def test_200_requests_aborted_mid_stream_leave_zero_blocks(live):
     aborted = re.search(r'^autodeploy_request_success_total{finished_reason="abort",model_name="tiny"} (\S+)$', metrics, re.M)
     assert float(aborted.group(1)) == 200
     assert live.state.engine.stats().num_used_blocks == 0
+
+
+def _aborted(live) -> float:
+    text = httpx.get(live.url + "/metrics").text
+    match = re.search(r'^autodeploy_request_success_total{finished_reason="abort",model_name="tiny"} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_blocks(live):
+    body = {"prompt": [5, 6, 7], "max_tokens": 220, "ignore_eos": True}
+    aborted_before = _aborted(live)
+    try:
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    else:
+        raise AssertionError("the request should have outlived the client's timeout")
+    deadline = time.monotonic() + 10
+    while live.state.engine.stats().num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = live.state.engine.stats()
+    assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    assert _aborted(live) == aborted_before + 1

@@ -163,3 +163,9 @@ def test_requests_that_cannot_be_served_are_rejected(compiled, prompt, params, m
     with pytest.raises(ValueError, match=message):
         engine.add_request("r", prompt, params)
     assert not engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_of_a_one_token_prompt(compiled):
+    engine = Engine(compiled, None, EngineConfig())
+    out = run_batched(engine, [[5]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs == (None,)

@@ -30,3 +30,15 @@ def test_llm_leaves_no_request_behind_on_a_bad_prompt(compiled):
     else:
         raise AssertionError("an out-of-vocabulary prompt must be rejected")
     assert not llm.engine.has_unfinished_requests() and llm.engine.blocks.num_used == 0
+
+
+def test_chat_template_override(tiny_dir, tmp_path):
+    from autodeploy.serve.tokenizer import load_tokenizer, render_chat
+
+    inline = load_tokenizer(tiny_dir, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    from_file = load_tokenizer(tiny_dir, chat_template=str(template_file))
+    messages = [{"role": "user", "content": "hi"}]
+    assert inline.decode(render_chat(inline, messages)) == "[hi]"
+    assert from_file.decode(render_chat(from_file, messages)) == "<hi>"
