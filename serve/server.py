@@ -36,7 +36,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     _add_error_handlers(app, state)
     _add_api_key_check(app, state)
-    _add_routes(app, state)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_tokenizer_routes(app, state)
     return app
 
 
@@ -93,7 +95,7 @@ class _APIKeyCheck:
         await self.app(scope, receive, send)
 
 
-def _add_routes(app: FastAPI, state: ServerState) -> None:
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         state.require_engine()
@@ -113,6 +115,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          max_model_len=state.max_model_len or None)
         return ModelList(data=[card]).model_dump()
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw_request: Request):
         return await create_completion(body, raw_request, state)
@@ -121,6 +125,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(body, raw_request, state)
 
+
+def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         state.require_engine()
