@@ -70,7 +70,8 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     tokenizer = load_tokenizer(settings.tokenizer or model_dir, settings.chat_template, options.get("trust_remote_code", False))
     engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
     report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
-    return LoadedModel(AsyncEngine(engine), tokenizer, model.max_seq_len, report)
+    # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
+    return LoadedModel(AsyncEngine(engine), tokenizer, engine.max_total_tokens, report)
 
 
 def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
