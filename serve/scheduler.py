@@ -113,18 +113,21 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        match = None
         if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
             # Reuse cached blocks, but always leave the last token to run: its logits are needed.
             match = self.blocks.match_prefix(seq.token_ids, (seq.num_tokens - 1) // self.blocks.block_size)
             seq.block_ids, seq.block_keys = list(match.block_ids), list(match.keys)
             seq.num_computed = match.num_tokens
-            if seq.first_scheduled_time is None:
-                seq.num_cached_tokens = match.num_tokens
         n = min(seq.num_uncomputed, budget)
         need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
         if need > self.blocks.num_free:
             self._release(seq)  # give the matched blocks back; they stay cached
             return None
+        if match is not None:
+            self.blocks.count_lookup(seq.num_tokens, match)
+            if seq.first_scheduled_time is None:
+                seq.num_cached_tokens = match.num_tokens
         seq.block_ids.extend(self.blocks.allocate(need))
         seq.status = Status.RUNNING
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()

@@ -107,11 +107,11 @@ class BlockManager:
         """Take (reference) the cached blocks holding the longest prefix of ``token_ids``.
 
         At most ``max_blocks`` blocks are matched: the caller keeps the tokens it must still run.
-        Counts the lookup in the hit statistics.
+        The hit statistics count a lookup only when the caller reports it (:meth:`count_lookup`),
+        so a sequence that retries admission is not counted twice.
         """
         if not self.enable_prefix_caching:
             return PrefixMatch((), (), 0)
-        self.prefix_queries += len(token_ids)
         blocks, keys, parent = [], [], b""
         for i in range(min(max_blocks, len(token_ids) // self.block_size)):
             key = block_key(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -123,8 +123,13 @@ class BlockManager:
             parent = key
         for block in blocks:
             self._take(block)
-        self.prefix_hits += len(blocks) * self.block_size
         return PrefixMatch(tuple(blocks), tuple(keys), len(blocks) * self.block_size)
+
+    def count_lookup(self, num_tokens: int, match: PrefixMatch) -> None:
+        """Record a prefix lookup of ``num_tokens`` tokens that found ``match``."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += match.num_tokens
 
     def cache_full_blocks(
         self, block_ids: Sequence[int], token_ids: Sequence[int], num_computed: int, known_keys: Sequence[bytes]

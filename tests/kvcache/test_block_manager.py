@@ -36,6 +36,8 @@ def test_prefix_hit_shares_blocks_and_counts_references():
     assert len(keys) == 2
     match = bm.match_prefix(tokens[:9] + [99], max_blocks=10)
     assert match.block_ids == tuple(blocks[:2]) and match.num_tokens == 8 and match.keys == tuple(keys)
+    assert bm.prefix_queries == 0  # only lookups the caller reports are counted
+    bm.count_lookup(10, match)
     bm.free(blocks)  # the first owner leaves; the shared blocks stay referenced by the match
     assert bm.num_used == 2
     bm.free(match.block_ids)
@@ -92,7 +94,9 @@ def test_prefix_caching_off_never_matches():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     blocks, keys = _computed_sequence(bm, list(range(8)))
     assert keys == []
-    assert bm.match_prefix(list(range(8)), max_blocks=2).num_tokens == 0
+    match = bm.match_prefix(list(range(8)), max_blocks=2)
+    assert match.num_tokens == 0
+    bm.count_lookup(8, match)
     assert bm.prefix_queries == 0
     bm.free(blocks)
     assert bm.num_free == 8
