@@ -1,7 +1,8 @@
 """``CompiledModel``: the one contract the engine and the server use.
 
 A compiled model runs one engine step: given the chunks of the scheduled sequences (see
-``autodeploy.kvcache.metadata``), it returns one row of logits per sequence. It owns the KV pool;
+``autodeploy.kvcache.metadata``), it returns one row of logits per sequence (at its chunk's last
+token; a chunk may ask for its last ``num_logits`` tokens instead). It owns the KV pool;
 block ids are handed out by the caller (the engine's block manager).
 """
 
@@ -92,7 +93,7 @@ class CompiledModel:
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` at each sequence's last scheduled token (eager graph)."""
+        """Logits ``[num_logits, vocab]``: one row per requested token (by default each chunk's last)."""
         return self.gm(**batch.as_kwargs(), **self.pool.as_kwargs())
 
     @torch.inference_mode()

@@ -73,7 +73,7 @@ class CudaGraphRunner:
         return (
             bool(self.graphs)
             and len(chunks) <= self.batch_sizes[-1]
-            and all(len(c.token_ids) == 1 for c in chunks)
+            and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
             and max(len(c.block_ids) for c in chunks) <= self.max_blocks
         )
 

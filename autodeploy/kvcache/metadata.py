@@ -13,7 +13,8 @@ context_lens       [B]          tokens of each sequence already in the KV cache
 cu_seqlens         [B + 1]      prefix sums of query_lens (token offsets into T)
 block_table        [B, M]       KV blocks of each sequence, in order (-1 padded)
 slot_mapping       [T]          cache slot (block * block_size + offset) each token writes; -1 = skip
-logits_indices     [B]          index into T of the token whose logits are returned (last of each chunk)
+logits_indices     [L]          indices into T of the tokens whose logits are returned: the last
+                                ``num_logits`` tokens of each chunk (1 by default, so L = B)
 =================  ===========  ==========================================================
 
 All integer tensors are int64, built in one pinned host buffer and copied to the device in one copy.
@@ -32,11 +33,16 @@ GRAPH_INPUTS = TOKEN_INPUTS + METADATA_INPUTS
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """What one sequence contributes to a step: ``token_ids`` at positions ``context_len...``."""
+    """What one sequence contributes to a step: ``token_ids`` at positions ``context_len...``.
+
+    ``num_logits`` asks for the logits of the chunk's last ``num_logits`` tokens instead of only
+    the last one (prompt log-probabilities need every position).
+    """
 
     token_ids: tuple[int, ...]
     context_len: int
     block_ids: tuple[int, ...]
+    num_logits: int = 1
 
     @property
     def end(self) -> int:
@@ -63,6 +69,10 @@ class BatchMetadata:
     @property
     def num_seqs(self) -> int:
         return self.query_lens.shape[0]
+
+    @property
+    def num_logits(self) -> int:
+        return self.logits_indices.shape[0]
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword inputs of the compiled graph (cache tensors come from the pool)."""
@@ -116,8 +126,8 @@ class Padding:
 
     @property
     def metadata_size(self) -> int:
-        """Number of int64 values of a step of this shape (all fields together)."""
-        return 3 * self.num_tokens + 4 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+        """Most int64 values a step of this shape needs (logits rows <= tokens)."""
+        return 4 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
 
     def covering(self, chunks: list[SequenceChunk]) -> "Padding":
         need = Padding.of(chunks)
@@ -155,6 +165,8 @@ def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dic
     for chunk in chunks:
         if chunk.end > len(chunk.block_ids) * block_size:
             raise ValueError(f"sequence needs {chunk.end} slots but has {len(chunk.block_ids)} blocks")
+        if not 1 <= chunk.num_logits <= len(chunk.token_ids):
+            raise ValueError(f"num_logits must be in [1, {len(chunk.token_ids)}], got {chunk.num_logits}")
         ids.extend(chunk.token_ids)
         pos = range(chunk.context_len, chunk.end)
         positions.extend(pos)
@@ -174,5 +186,5 @@ def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dic
         "cu_seqlens": cu + [cu[-1]] * pad_seqs,
         "block_table": table + [-1] * (pad_seqs * shape.max_blocks),
         "slot_mapping": slots + [-1] * pad_tokens,
-        "logits_indices": [end - 1 for end in cu[1:]] + [0] * pad_seqs,
+        "logits_indices": [i for c, end in zip(chunks, cu[1:]) for i in range(end - c.num_logits, end)] + [0] * pad_seqs,
     }

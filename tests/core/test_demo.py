@@ -81,7 +81,7 @@ def test_demo_checkpoint_is_converted_losslessly(demo_dir):
 def test_compiled_demo_model_runs(llm):
     counts = llm.model.report.op_counts
     assert (counts["paged_attention"], counts["rms_norm"], counts["swiglu"]) == (30, 61, 30)
-    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0]
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 4
 
 
@@ -91,17 +91,18 @@ def test_greedy_chat_matches_transformers_generate(llm, demo_dir, chat_ids):
 
     reference = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
     ours = llm.generate(chat_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    for prompt, ids, out in zip(CHAT_PROMPTS, chat_ids, ours):
+    for prompt, ids, request in zip(CHAT_PROMPTS, chat_ids, ours):
+        out = request.outputs[0]
         ids = torch.tensor([ids])
         with torch.inference_mode():
             expected = reference.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)[0, ids.shape[1] :]
         want = llm.tokenizer.decode(expected)
-        assert out.token_ids == expected.tolist(), f"{prompt!r}: {out.text!r} vs {want!r}"
+        assert list(out.token_ids) == expected.tolist(), f"{prompt!r}: {out.text!r} vs {want!r}"
 
 
 @needs_demo
 def test_demo_knows_the_capital_of_france(llm, chat_ids):
-    out = llm.generate([chat_ids[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0]
+    out = llm.generate([chat_ids[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop", out.text
 
 

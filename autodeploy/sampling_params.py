@@ -1,0 +1,100 @@
+"""``SamplingParams``: how one request is decoded (public API, consumed by the engine).
+
+Field names and meanings follow vLLM's ``SamplingParams``, which OpenAI-compatible clients assume.
+Values are checked once, here; everything downstream trusts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # most top-logprobs a request may ask for (OpenAI allows 20 in chat)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding options of one request; invalid combinations raise ``ValueError``.
+
+    ``max_tokens=None`` generates up to the model's ``max_seq_len``. ``top_k`` 0 (or -1) and
+    ``top_p`` 1 disable those filters; ``temperature`` 0 is greedy. ``logprobs=k`` returns the
+    sampled token's log-probability and the ``k`` most likely ones at each generated position;
+    ``prompt_logprobs=k`` does the same for every prompt token after the first. A ``seed`` makes
+    sampling reproducible; with ``n > 1`` choice ``i`` uses ``seed + i``.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept the spellings clients send (a single stop string, lists, top_k=-1), store one form.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        for problem in _problems(self):
+            raise ValueError(problem)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def uses_top_k_top_p(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def _problems(p: SamplingParams):
+    """Every reason ``p`` is invalid, as messages naming the field."""
+    if p.n < 1:
+        yield f"n must be at least 1, got {p.n}"
+    if p.max_tokens is not None and p.max_tokens < 1:
+        yield f"max_tokens must be at least 1, got {p.max_tokens}"
+    if p.min_tokens < 0 or (p.max_tokens is not None and p.min_tokens > p.max_tokens):
+        yield f"min_tokens must be in [0, max_tokens], got {p.min_tokens}"
+    if p.temperature < 0:
+        yield f"temperature must be non-negative, got {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        yield f"top_p must be in (0, 1], got {p.top_p}"
+    if p.top_k < 0:
+        yield f"top_k must be 0 or -1 (disabled) or a positive number, got {p.top_k}"
+    if not 0 <= p.min_p <= 1:
+        yield f"min_p must be in [0, 1], got {p.min_p}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            yield f"{name} must be in [-2, 2], got {getattr(p, name)}"
+    if p.repetition_penalty <= 0:
+        yield f"repetition_penalty must be positive, got {p.repetition_penalty}"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            yield f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"
+    if any(not s for s in p.stop):
+        yield "stop strings must not be empty"
+    if any(t < 0 for t in p.stop_token_ids):
+        yield "stop_token_ids must be non-negative"
+    if p.seed is not None and not 0 <= p.seed < 2**63:
+        yield f"seed must be in [0, 2**63), got {p.seed}"

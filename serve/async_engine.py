@@ -1,0 +1,156 @@
+"""The engine on a background thread, with an asyncio face for the server.
+
+One thread owns the :class:`Engine` and runs steps while there is work. Coroutines talk to it
+through a command queue (add, abort) and receive their request's delta outputs on an
+``asyncio.Queue``. Leaving :meth:`AsyncEngine.generate` early (a cancelled task, a closed stream,
+a disconnected client) aborts the request, and the engine frees its blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+from autodeploy.sampling_params import SamplingParams
+
+from .engine import Engine, EngineStats
+from .outputs import RequestOutput
+
+log = logging.getLogger("autodeploy.serve.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; every request in flight gets this error."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Thread-backed engine. ``on_outputs`` (if given) sees every batch of outputs, on the engine thread."""
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` if the request can never be served (reads only fixed settings)."""
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request until it finishes. Validation errors raise ``ValueError`` first."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error}")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(_Add(request_id, tuple(prompt_token_ids), params, arrival_time))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._dispatch(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 (a failed step must reach every waiting client)
+            log.exception("engine step failed; failing all requests")
+            self.error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"the engine failed: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                aborted = self.engine.abort_request(command.request_id)
+                if aborted is not None and self.on_outputs is not None:
+                    self.on_outputs([aborted])
+
+    def _add(self, command: _Add) -> None:
+        if command.request_id not in self._streams:
+            return  # its client left before the engine saw it
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.arrival_time)
+        except ValueError as exc:
+            self._deliver(command.request_id, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None and outputs:
+            self.on_outputs(outputs)
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,147 @@
+"""``autodeploy bench offline``: engine throughput and latency over synthetic requests.
+
+All requests (random token ids of ``--input_len``, exactly ``--output_len`` generated tokens,
+EOS ignored) are queued at once, or ``--concurrency`` at a time, and run through the same engine
+the server uses. Besides throughput and TTFT/TPOT/ITL percentiles it times the bare decode step
+of the compiled model at the engine's typical batch size: the gap between that and the TPOT is
+the engine's own overhead (scheduling, sampling, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from autodeploy.kvcache.block_manager import blocks_needed
+from autodeploy.kvcache.metadata import SequenceChunk
+from autodeploy.sampling_params import SamplingParams
+
+from .bench_stats import Distribution, latency_table
+from .engine import Engine, EngineConfig
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    num_requests: int
+    input_len: int
+    output_len: int
+    concurrency: int
+    seconds: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    mean_batch_size: float
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    model_decode_step_ms: float  # bare CompiledModel decode step at the mean batch size
+
+    def summary(self) -> str:
+        return "\n".join([
+            f"requests {self.num_requests} x ({self.input_len} in, {self.output_len} out), concurrency "
+            f"{self.concurrency}, {self.seconds:.2f} s",
+            f"throughput   {self.request_throughput:.2f} req/s, {self.output_throughput:.1f} output tok/s, "
+            f"{self.total_token_throughput:.1f} total tok/s",
+            latency_table([self.ttft, self.tpot, self.itl]),
+            f"bare model decode step at batch {round(self.mean_batch_size)}: {self.model_decode_step_ms:.2f} ms "
+            f"(TPOT p50 - step = engine overhead per token: {self.tpot.p50_ms - self.model_decode_step_ms:.2f} ms)",
+        ])
+
+
+def run_offline(model, input_len: int, output_len: int, num_requests: int, concurrency: int | None = None,
+                temperature: float = 0.0, seed: int = 0, enable_prefix_caching: bool = False) -> OfflineResult:
+    """Run the benchmark on a compiled model; see the module docstring."""
+    engine = Engine(model, None, EngineConfig(enable_prefix_caching=enable_prefix_caching))
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed, detokenize=False)
+    prompts = [[rng.randrange(model.vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
+    concurrency = concurrency or num_requests
+    _warm_up(engine)
+    token_times: dict[str, list[float]] = {}
+    starts: dict[str, float] = {}
+    batch_sizes: list[int] = []
+    next_prompt, begin = 0, time.perf_counter()
+    while next_prompt < num_requests or engine.has_unfinished_requests():
+        while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
+            rid = str(next_prompt)
+            starts[rid] = time.perf_counter()
+            engine.add_request(rid, prompts[next_prompt], params)
+            next_prompt += 1
+        outputs = engine.step()
+        batch_sizes.append(engine.last_batch_size)
+        now = time.perf_counter()
+        for out in outputs:
+            for _ in range(sum(len(c.token_ids) for c in out.outputs)):
+                token_times.setdefault(out.request_id, []).append(now)
+    seconds = time.perf_counter() - begin
+    ttft = [times[0] - starts[rid] for rid, times in token_times.items()]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
+    mean_batch = sum(batch_sizes) / max(1, len(batch_sizes))
+    step_ms = decode_step_ms(model, max(1, round(mean_batch)), input_len + output_len // 2)
+    return OfflineResult(
+        num_requests, input_len, output_len, concurrency, seconds, num_requests / seconds,
+        num_requests * output_len / seconds, num_requests * (input_len + output_len) / seconds, mean_batch,
+        Distribution.of("TTFT", ttft), Distribution.of("TPOT", tpot), Distribution.of("ITL", itl), step_ms,
+    )
+
+
+def _warm_up(engine: Engine) -> None:
+    engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def decode_step_ms(model, batch_size: int, context_len: int, iters: int = 10) -> float:
+    """Milliseconds of one bare ``CompiledModel`` decode step: ``batch_size`` sequences, one token each."""
+    batch_size = min(batch_size, model.num_blocks // blocks_needed(context_len + 1, model.block_size))
+    per_seq = blocks_needed(context_len + 1, model.block_size)
+    chunks = [SequenceChunk((1,), context_len, tuple(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch_size)]
+    model(chunks)  # warm-up
+    _sync(model.device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        model(chunks)
+    _sync(model.device)
+    return 1000 * (time.perf_counter() - start) / iters
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def add_offline_parser(subparsers: Any) -> None:
+    from autodeploy.cli import add_compile_options, flag
+
+    p = subparsers.add_parser("offline", help="engine throughput and latency over synthetic requests")
+    p.add_argument("model_dir", help="HF checkpoint directory (with --weights random, config.json is enough)")
+    flag(p, "input_len", type=int, default=128, help="prompt tokens per request (default 128)")
+    flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
+    flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
+    flag(p, "concurrency", type=int, default=None, help="requests in flight at once (default: all)")
+    flag(p, "temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    flag(p, "enable_prefix_caching", action="store_true", help="reuse KV of shared prefixes (default off)")
+    flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
+    add_compile_options(p)
+    p.set_defaults(func=cmd_offline)
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from autodeploy.cli import compile_options
+    from autodeploy.compiler import compile as compile_model
+
+    model = compile_model(args.model_dir, **compile_options(args))
+    result = run_offline(model, args.input_len, args.output_len, args.num_requests, args.concurrency,
+                         args.temperature, enable_prefix_caching=args.enable_prefix_caching)
+    print(result.summary())
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(asdict(result), f, indent=2)
+    return 0

@@ -1,0 +1,177 @@
+"""``autodeploy bench serve``: a serving benchmark client (asyncio + httpx, streaming).
+
+Sends ``--num_requests`` synthetic requests to a running OpenAI-compatible server, either keeping
+``--concurrency`` in flight or arriving as a Poisson process at ``--request_rate`` per second.
+Completions prompts are random token ids of exactly ``--input_len`` (no tokenizer needed on either
+side); every request asks for exactly ``--output_len`` tokens (``ignore_eos``), streamed. Reports
+TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .bench_stats import Distribution, latency_table
+
+
+@dataclass
+class RequestRecord:
+    start: float
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    end: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ServingResult:
+    completed: int
+    failed: int
+    seconds: float
+    request_throughput: float
+    output_throughput: float
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e: Distribution
+    first_error: str | None
+
+    def summary(self) -> str:
+        lines = [
+            f"completed {self.completed}, failed {self.failed}, {self.seconds:.2f} s",
+            f"throughput {self.request_throughput:.2f} req/s, {self.output_throughput:.1f} output tok/s",
+            latency_table([self.ttft, self.tpot, self.itl, self.e2e]),
+        ]
+        if self.first_error:
+            lines.append(f"first error: {self.first_error}")
+        return "\n".join(lines)
+
+
+def make_payload(endpoint: str, model: str | None, prompt_ids: list[int], output_len: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        payload["model"] = model
+    if endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in prompt_ids)}]
+    else:
+        payload["prompt"] = prompt_ids
+    return payload
+
+
+async def send_one(client, url: str, payload: dict[str, Any], headers: dict[str, str]) -> RequestRecord:
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                _read_event(line, record)
+    except Exception as exc:  # noqa: BLE001 (a failed request is counted, not fatal)
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter()
+    return record
+
+
+def _read_event(line: str, record: RequestRecord) -> None:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    event = json.loads(line[len("data: "):])
+    if "error" in event:
+        record.error = str(event["error"].get("message"))
+    elif event.get("choices"):
+        record.chunk_times.append(time.perf_counter())
+    elif event.get("usage"):
+        record.completion_tokens = event["usage"]["completion_tokens"]
+
+
+async def run_benchmark(base_url: str, *, model: str | None = None, endpoint: str = "completions",
+                        input_len: int = 128, output_len: int = 128, num_requests: int = 64,
+                        concurrency: int | None = None, request_rate: float | None = None,
+                        api_key: str | None = None, vocab_size: int = 32000, seed: int = 0,
+                        timeout: float = 600.0) -> ServingResult:
+    """Run the benchmark against ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+    import httpx
+
+    rng = random.Random(seed)
+    url = f"{base_url.rstrip('/')}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    payloads = [make_payload(endpoint, model, [rng.randrange(3, vocab_size) for _ in range(input_len)], output_len)
+                for _ in range(num_requests)]
+    limit = asyncio.Semaphore(concurrency or num_requests)
+    limits = httpx.Limits(max_connections=concurrency or num_requests, max_keepalive_connections=concurrency or 64)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async def bounded(payload: dict[str, Any]) -> RequestRecord:
+            async with limit:
+                return await send_one(client, url, payload, headers)
+
+        begin = time.perf_counter()
+        tasks = []
+        for payload in payloads:
+            tasks.append(asyncio.create_task(bounded(payload)))
+            if request_rate:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        records = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - begin
+    return summarize(records, seconds)
+
+
+def summarize(records: list[RequestRecord], seconds: float) -> ServingResult:
+    ok = [r for r in records if r.error is None and r.chunk_times]
+    failed = [r for r in records if r not in ok]
+    ttft = [r.chunk_times[0] - r.start for r in ok]
+    tpot = [(r.end - r.chunk_times[0]) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    e2e = [r.end - r.start for r in ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    return ServingResult(
+        completed=len(ok), failed=len(failed), seconds=seconds, request_throughput=len(ok) / seconds,
+        output_throughput=tokens / seconds, ttft=Distribution.of("TTFT", ttft), tpot=Distribution.of("TPOT", tpot),
+        itl=Distribution.of("ITL", itl), e2e=Distribution.of("E2E", e2e),
+        first_error=next((r.error for r in failed if r.error), None),
+    )
+
+
+def add_serving_parser(subparsers: Any) -> None:
+    from autodeploy.cli import flag
+
+    p = subparsers.add_parser("serve", help="benchmark a running OpenAI-compatible server (streaming client)")
+    flag(p, "base_url", default="http://127.0.0.1:8000", help="server address (default http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None, help="model name to send (default: none, the server's)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    flag(p, "input_len", type=int, default=128, help="prompt tokens per request (default 128)")
+    flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
+    flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
+    group = p.add_mutually_exclusive_group()
+    flag(group, "concurrency", type=int, default=None, help="requests in flight at once")
+    group.add_argument("--max-concurrency", dest="concurrency", type=int, help=argparse.SUPPRESS)  # vLLM's name
+    flag(group, "request_rate", type=float, default=None, help="Poisson arrivals per second")
+    flag(p, "vocab_size", type=int, default=32000, help="random prompt ids are drawn below this (default 32000)")
+    flag(p, "api_key", default=None, help="API key of the server")
+    p.add_argument("--seed", type=int, default=0)
+    flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--log_level", default="warning", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_serving)
+
+
+def cmd_serving(args: argparse.Namespace) -> int:
+    result = asyncio.run(run_benchmark(
+        args.base_url, model=args.model, endpoint=args.endpoint, input_len=args.input_len,
+        output_len=args.output_len, num_requests=args.num_requests, concurrency=args.concurrency,
+        request_rate=args.request_rate, api_key=args.api_key, vocab_size=args.vocab_size, seed=args.seed,
+    ))
+    print(result.summary())
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(asdict(result), f, indent=2)
+    return 0 if result.failed == 0 else 1

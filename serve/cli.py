@@ -1,0 +1,128 @@
+"""``autodeploy serve`` and ``autodeploy bench``, registered lazily by ``autodeploy.cli``.
+
+Flags are spelled as in trtllm-serve (underscore); ``flag()`` adds the dash spelling, and the
+vLLM names that differ (``--max-num-seqs``, ``--max-model-len``, ``--max-num-batched-tokens``,
+``--tensor-parallel-size``) are accepted too. Precedence: defaults < ``AUTODEPLOY_API_KEY`` <
+``--config`` YAML < dedicated flags < ``--set key=value``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from autodeploy.cli import COMPILE_FLAGS, add_compile_options, flag, settings_from_args
+from autodeploy.config import CompileConfig, validate
+from autodeploy.errors import ConfigError
+
+from .startup import ServeSettings
+
+log = logging.getLogger("autodeploy.serve")
+
+SERVE_FLAGS: list[tuple[str, type]] = [
+    ("host", str), ("port", int), ("served_model_name", str), ("tokenizer", str), ("chat_template", str),
+    ("tp_size", int), ("api_key", str),
+]
+# other spellings of the same settings: vLLM's names and trtllm-serve's older ones
+ALIASES: dict[str, tuple[str, type]] = {
+    "--max-num-seqs": ("max_batch_size", int), "--max-model-len": ("max_seq_len", int),
+    "--max-num-batched-tokens": ("max_num_tokens", int), "--tensor-parallel-size": ("tp_size", int),
+    "--free_gpu_memory_fraction": ("kv_cache_free_gpu_memory_fraction", float),
+    "--extra_llm_api_options": ("config", str),
+}
+API_KEY_ENV = "AUTODEPLOY_API_KEY"
+
+
+def add_serve_command(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    p.add_argument("model_dir", help="HF checkpoint directory")
+    fields = ServeSettings.model_fields
+    for name, kind in SERVE_FLAGS:
+        flag(p, name, type=kind, default=None, help=fields[name].description)
+    for spelling, (dest, kind) in ALIASES.items():
+        p.add_argument(spelling, dest=dest, type=kind, default=None, help=argparse.SUPPRESS)
+    flag(p, "enable_prefix_caching", action="store_true", default=None, help=fields["enable_prefix_caching"].description)
+    p.add_argument("--no_enable_prefix_caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=None, help="turn prefix caching off (tenants that must not share cache)")
+    flag(p, "print_config", action="store_true", help="print the effective settings and exit")
+    add_compile_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def serve_settings(args: argparse.Namespace) -> tuple[ServeSettings, dict[str, Any]]:
+    """Server settings and compile options from every source, in precedence order."""
+    names = [n for n, _ in SERVE_FLAGS] + [n for n, _ in COMPILE_FLAGS] + [
+        "enable_prefix_caching", "trust_remote_code", "allow_pickle"]
+    merged = settings_from_args(args, names)
+    if os.environ.get(API_KEY_ENV) and "api_key" not in merged:
+        merged["api_key"] = os.environ[API_KEY_ENV]
+    serve_part = {k: v for k, v in merged.items() if k in ServeSettings.model_fields}
+    compile_part = {k: v for k, v in merged.items() if k not in ServeSettings.model_fields}
+    settings = validate(ServeSettings, serve_part, "serve settings")
+    compile_config = validate(CompileConfig, compile_part, "compile settings")
+    if settings.served_model_name is None:
+        settings = settings.model_copy(update={"served_model_name": args.model_dir})
+    if settings.tp_size > 1:
+        raise ConfigError("tp_size > 1: tensor-parallel serving is not available in this build yet")
+    return settings, compile_config.model_dump(exclude_unset=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import yaml
+
+    settings, compile_options = serve_settings(args)
+    if args.print_config:
+        shown = settings.model_dump() | {"api_key": "***" if settings.api_key else None}
+        effective = CompileConfig(**compile_options).model_dump()
+        print(yaml.safe_dump({"model_dir": args.model_dir, **shown, **effective}, sort_keys=False), end="")
+        return 0
+    return run_server(args.model_dir, settings, compile_options, args.log_level)
+
+
+def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], log_level: str) -> int:
+    """Bind, serve 503 while compiling, then serve the model until interrupted."""
+    import uvicorn
+
+    from .server import build_app
+    from .serving_common import ServerState
+    from .startup import bind_socket, load_in_background, load_model
+
+    sock = bind_socket(settings.host, settings.port)
+    port = sock.getsockname()[1]
+    url = f"http://{settings.host}:{port}"
+    state = ServerState(settings.served_model_name, settings.api_key)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+
+    def on_loaded(loaded) -> None:
+        state.attach(loaded.engine, loaded.tokenizer, loaded.max_model_len)
+        print(loaded.report, flush=True)
+
+    def on_error(exc: BaseException) -> None:
+        failure.append(exc)
+        print(f"error: cannot load {model_dir}: {exc}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    print(f"autodeploy: listening on {url} (503 until the model is loaded)", file=sys.stderr, flush=True)
+    load_in_background(lambda: load_model(model_dir, settings, compile_options, url), on_loaded, on_error)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal stop
+        pass
+    finally:
+        if state.engine is not None:
+            state.engine.shutdown()
+    return 1 if failure else 0
+
+
+def add_bench_command(subparsers: Any) -> None:
+    from .bench import add_offline_parser
+    from .bench_serving import add_serving_parser
+
+    p = subparsers.add_parser("bench", help="benchmarks: offline engine throughput/latency, or a serving client")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    add_offline_parser(sub)
+    add_serving_parser(sub)

@@ -1,0 +1,307 @@
+"""The engine: continuous batching over one ``CompiledModel``, one step at a time.
+
+``add_request`` queues a request; every ``step`` schedules a batch (decodes and prefill chunks
+mixed, see ``scheduler``), runs it, appends the sampled tokens, detokenizes, applies the stop
+conditions and returns a delta :class:`RequestOutput` for every request that changed. Finished
+and aborted sequences give their KV blocks back at once.
+
+Overlap: on CUDA the forward and the sampling are queued without waiting, so the host work of
+the previous step (detokenization, stop strings, building outputs) runs while the device computes
+this one. Stop strings are therefore checked one step late: a sequence they end may have run one
+more token, which is dropped. On the CPU nothing runs asynchronously and overlap would only delay
+outputs by a step, so it is off there by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import torch
+
+from autodeploy.compiled import CompiledModel
+from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
+from autodeploy.sampling_params import SamplingParams
+
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .runner import ModelRunner, StepResult
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, new_sequences
+
+log = logging.getLogger("autodeploy.serve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options; ``None`` takes the compiled model's value."""
+
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # use only this many of the model's KV blocks
+    overlap: bool | None = None  # default: on for CUDA, off on the CPU
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and running totals."""
+
+    num_running: int  # sequences (a request with n choices has n)
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Engine:
+    def __init__(self, model: CompiledModel, tokenizer: Any = None, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        num_blocks = min(config.num_blocks or model.num_blocks, model.num_blocks)
+        self.blocks = BlockManager(num_blocks, model.block_size, config.enable_prefix_caching)
+        self.max_num_tokens = min(config.max_num_tokens or model.config.max_num_tokens, model.config.max_num_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens)
+        self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device))
+        self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
+        self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
+        self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._unreported: list[Sequence] = []  # sampled last step, detokenized next step (overlap)
+        self.last_batch_size = 0  # sequences in the last step
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` (a client error) when it cannot be served."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        self.check_request(prompt, params)
+        request = Request(request_id, prompt, params, arrival_time or time.monotonic(),
+                          frozenset(self.eos_token_ids), self._total_tokens(prompt, params))
+        seqs = new_sequences(request, self.tokenizer)
+        for seq in seqs:
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.model.device).manual_seed(params.seed + seq.index)
+            self.scheduler.add(seq)
+        self._requests[request_id] = seqs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its last report (``finish_reason`` abort)."""
+        seqs = self._requests.get(request_id)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            if not seq.is_finished:
+                self._detokenize(seq)  # tokens still waiting for their text (overlap)
+            if not seq.is_finished:
+                self._finish(seq, "abort", None)
+        return self._request_output(request_id, seqs)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.blocks.num_blocks,
+            num_used_blocks=self.blocks.num_used,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the reports of the requests that changed."""
+        schedule = self.scheduler.schedule()
+        self.last_batch_size = len(schedule.chunks)
+        if not schedule.chunks and not self._unreported and self.scheduler.has_work:
+            # cannot happen when requests are validated against the pool size; never spin silently
+            raise RuntimeError("the scheduler made no progress with requests waiting")
+        pending = self.runner.launch(schedule) if schedule.chunks else None
+        reports = self._report(self._unreported) if self.overlap else []
+        self._unreported = []
+        sampled = self._apply(schedule, pending.wait()) if pending is not None else []
+        if self.overlap:
+            self._unreported = sampled
+        else:
+            reports = self._report(sampled)
+        return reports
+
+    def _apply(self, schedule, result: StepResult) -> list[Sequence]:
+        """Advance the sequences by what the step computed; stop them on stop tokens and length."""
+        sampled = []
+        for chunk in schedule.chunks:
+            seq = chunk.seq
+            if seq.is_finished:  # aborted or stopped by a string while the step ran
+                continue
+            seq.num_computed = chunk.end
+            seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, seq.num_computed, seq.block_keys)
+            self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
+            if seq in result.tokens:
+                token, logprob = result.tokens[seq]
+                self._append_token(seq, token, logprob)
+                sampled.append(seq)
+        return sampled
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        seq.last_token_time = time.monotonic()
+        seq.first_token_time = seq.first_token_time or seq.last_token_time
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in seq.request.eos_token_ids:
+                self._finish(seq, "stop", None)
+            elif token in params.stop_token_ids:
+                self._finish(seq, "stop", token)
+        if not seq.is_finished and seq.num_tokens >= seq.request.max_total_tokens:
+            self._finish(seq, "length", None)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, by_position: dict) -> None:
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # nothing scores the first prompt token
+        while len(seq.prompt_logprobs) in by_position:  # positions already collected are skipped
+            seq.prompt_logprobs.append(by_position[len(seq.prompt_logprobs)])
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    # ---- reports --------------------------------------------------------------------------------
+
+    def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Detokenize what the sequences generated, apply stop strings, build the reports."""
+        touched: dict[str, list[Sequence]] = {}
+        for seq in seqs:
+            current = self._requests.get(seq.request.request_id)
+            if current is not None and seq in current:  # not aborted meanwhile
+                self._detokenize(seq)
+                touched[seq.request.request_id] = current
+        return [self._request_output(rid, request_seqs) for rid, request_seqs in touched.items()]
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Feed new tokens to the detokenizer; a completed stop string ends the sequence there."""
+        new = seq.output_token_ids[seq.num_detokenized :]
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if new and stopped_by_token and not seq.params.include_stop_str_in_output:
+            new = new[:-1]  # the stop token (EOS or a stop id) is not part of the text
+        for i, token in enumerate(new):
+            produced = seq.num_detokenized + i + 1
+            stop = seq.detokenizer.add_token(token, check_stop=produced >= seq.params.min_tokens)
+            if stop is not None:
+                del seq.token_ids[seq.num_prompt_tokens + produced :]
+                del seq.logprobs[produced:]
+                if seq.is_finished:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self._finish(seq, "stop", stop)
+                break
+        seq.num_detokenized = seq.num_output_tokens
+
+    def _request_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
+        """The delta report of one request; a finished request is forgotten here."""
+        changed = [s for s in seqs if s.num_reported < s.num_output_tokens or (s.is_finished and not s.reported_finish)]
+        outputs = tuple(self._delta(s) for s in changed)
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and not first.sent_prompt_logprobs and first.num_reported > 0:
+            prompt_logprobs, first.sent_prompt_logprobs = tuple(first.prompt_logprobs), True
+        finished = all(s.is_finished for s in seqs)
+        if finished:
+            del self._requests[request_id]
+        return RequestOutput(request_id, first.request.prompt_token_ids, outputs, finished, prompt_logprobs,
+                             first.num_cached_tokens, _request_metrics(seqs, finished))
+
+    def _delta(self, seq: Sequence) -> CompletionOutput:
+        start, seq.num_reported = seq.num_reported, seq.num_output_tokens
+        seq.reported_finish = seq.is_finished
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.detokenizer.take_new_text(seq.is_finished),
+            token_ids=tuple(seq.output_token_ids[start:]),
+            logprobs=tuple(seq.logprobs[start:]) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    # ---- validation -----------------------------------------------------------------------------
+
+    def _total_tokens(self, prompt: tuple[int, ...], params: SamplingParams) -> int:
+        if params.max_tokens is None:
+            return self.max_total_tokens
+        return len(prompt) + params.max_tokens
+
+    def check_request(self, prompt: Seq[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` (a client error) if this request can never be served."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.model.vocab_size})")
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("stop strings need detokenization (a tokenizer)")
+        max_tokens = params.max_tokens or 1
+        if len(prompt) + max_tokens > self.model.max_seq_len:
+            raise ValueError(context_length_message(self.model.max_seq_len, len(prompt), params.max_tokens))
+        if blocks_needed(len(prompt) + max_tokens, self.blocks.block_size) > self.blocks.num_blocks:
+            raise ValueError(
+                f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens; this request needs "
+                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the completion)"
+            )
+
+
+def _request_metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=seqs[0].request.arrival_time,
+        first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
+        first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+        finished_time=time.monotonic() if finished else None,
+    )
+
+
+def context_length_message(max_len: int, prompt_len: int, max_tokens: int | None) -> str:
+    """The error text clients (and lm-eval) look for: it names "maximum context length"."""
+    requested = prompt_len + (max_tokens or 0)
+    return (
+        f"This model's maximum context length is {max_len} tokens. However, you requested {requested} tokens "
+        f"({prompt_len} in the prompt, {max_tokens or 0} in the completion). "
+        "Please reduce the length of the prompt or completion."
+    )
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids from the model config and the tokenizer."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,283 @@
+"""The OpenAI wire format (vLLM's flavour): pydantic request and response models.
+
+Requests accept vLLM's non-OpenAI extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``add_generation_prompt``, ``chat_template_kwargs``...) because
+benchmark and evaluation clients send them. Unknown fields are ignored, as vLLM does.
+Conversion to :class:`SamplingParams` happens here, at the edge.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autodeploy.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
+        """The engine's view of this request; ``ValueError`` for combinations it rejects."""
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (beam search is not supported)")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs if prompt_logprobs is None else prompt_logprobs
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls... are passed to the template
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """A plain dict whose content is a string (text parts joined), as templates expect."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise ValueError(f"content part type '{part.get('type')}' is not supported (text only)")
+                parts.append(str(part.get("text", "")))
+            message["content"] = "\n".join(parts)
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer name and wins (OpenAI deprecates max_tokens)
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "autodeploy"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

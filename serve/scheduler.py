@@ -1,0 +1,151 @@
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
+
+Each step fills a budget of ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
+
+1. Running sequences first, oldest first: one token for a decode, the next chunk of the prompt
+   for a sequence still prefilling (chunked prefill). If the KV blocks for that run out, the newest
+   running sequence is preempted: its blocks are freed and it goes back to the front of the
+   waiting queue to be recomputed later (its generated tokens are kept).
+2. Then waiting sequences, first come first served, as long as the budget and free blocks allow.
+   A sequence starting (or restarting) takes the longest cached prefix of its tokens from the
+   block manager first and only runs the rest.
+
+Nothing here touches the device; the engine turns a :class:`Schedule` into model inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
+
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run ``num_tokens`` tokens of ``seq`` from position ``seq.num_computed``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    num_logits: int  # logits rows wanted: 1, or every position while collecting prompt logprobs
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so its last logits row picks a new token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class Schedule:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int):
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Schedule:
+        budget = self.max_num_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0 and len(chunks) < self.max_batch_size:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow_or_preempt(seq, n, preempted):
+                break  # seq itself was the newest and got preempted
+            chunks.append(_chunk(seq, n))
+            budget -= n
+            i += 1
+        # Admitting new work right after a preemption would only thrash the cache.
+        while self.waiting and budget > 0 and len(chunks) < self.max_batch_size and not preempted:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return Schedule(tuple(chunks), tuple(preempted))
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
+        while need > self.blocks.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_ids.extend(self.blocks.allocate(max(0, need)))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        match = None
+        if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
+            # Reuse cached blocks, but always leave the last token to run: its logits are needed.
+            match = self.blocks.match_prefix(seq.token_ids, (seq.num_tokens - 1) // self.blocks.block_size)
+            seq.block_ids, seq.block_keys = list(match.block_ids), list(match.keys)
+            seq.num_computed = match.num_tokens
+        n = min(seq.num_uncomputed, budget)
+        need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
+        if need > self.blocks.num_free:
+            self._release(seq)  # give the matched blocks back; they stay cached
+            return None
+        if match is not None:
+            self.blocks.count_lookup(seq.num_tokens, match)
+            if seq.first_scheduled_time is None:
+                seq.num_cached_tokens = match.num_tokens
+        seq.block_ids.extend(self.blocks.allocate(need))
+        seq.status = Status.RUNNING
+        seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+        self.running.append(seq)
+        return _chunk(seq, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_ids)
+        seq.block_ids, seq.block_keys = [], []
+        seq.num_computed = 0
+
+
+def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
+    return ScheduledChunk(seq, seq.num_computed, n, n if seq.wants_prompt_logprobs else 1)

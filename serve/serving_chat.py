@@ -1,0 +1,103 @@
+"""``POST /v1/chat/completions``: messages -> the tokenizer's chat template -> a reply.
+
+Streaming sends, per choice, a first chunk with ``delta: {"role": "assistant", "content": ""}``,
+then content deltas, then the finish reason; with ``stream_options.include_usage`` one last chunk
+with no choices and the usage.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .errors import bad_request
+from .outputs import CompletionOutput, RequestOutput, TokenLogprob
+from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                       ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
+                       new_id)
+from .serving_common import SSE_DONE, ServerState, admit, collect, sse, sse_error
+from .tokenizer import render_chat, token_strings
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
+    engine = state.require_engine()
+    state.check_model(body.model)
+    try:
+        messages = [m.for_template() for m in body.messages]
+        prompt_ids = render_chat(
+            state.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, tools=body.tools,
+            template_kwargs=body.chat_template_kwargs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    params = admit(state, engine, prompt_ids, body.to_sampling_params, body.requested_max_tokens(), "messages")
+    request_id = new_id("chatcmpl")
+    stream = engine.generate(request_id, prompt_ids, params)
+    view = _ChatView(body, state, request_id)
+    if body.stream:
+        return StreamingResponse(view.stream(stream), media_type="text/event-stream")
+    (output,) = await collect([stream], raw_request)
+    return JSONResponse(view.response(output).model_dump())
+
+
+class _ChatView:
+    def __init__(self, body: ChatCompletionRequest, state: ServerState, request_id: str):
+        self.body, self.state, self.request_id = body, state, request_id
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=self._logprobs(c),
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in out.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=self.request_id, model=self.state.served_model_name, choices=choices,
+                                      usage=_usage(out, completion_tokens))
+
+    async def stream(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        started: set[int] = set()
+        completion_tokens, last = 0, None
+        try:
+            async for out in stream:
+                last = out
+                for choice in out.outputs:
+                    if choice.index not in started:
+                        started.add(choice.index)
+                        yield self._chunk(ChatStreamChoice(index=choice.index,
+                                                           delta=DeltaMessage(role="assistant", content="")))
+                    completion_tokens += len(choice.token_ids)
+                    yield self._chunk(ChatStreamChoice(
+                        index=choice.index, delta=DeltaMessage(content=choice.text), logprobs=self._logprobs(choice),
+                        finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+            if self.body.include_usage and last is not None:
+                yield sse(ChatCompletionChunk(id=self.request_id, model=self.state.served_model_name, choices=[],
+                                              usage=_usage(last, completion_tokens)))
+        except Exception as exc:  # noqa: BLE001 (the status line is sent: report in the stream)
+            yield sse_error(exc)
+        yield SSE_DONE
+
+    def _chunk(self, choice: ChatStreamChoice) -> str:
+        chunk = ChatCompletionChunk(id=self.request_id, model=self.state.served_model_name, choices=[choice])
+        return sse(chunk.model_dump(exclude={"usage"}))
+
+    def _logprobs(self, choice: CompletionOutput) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return ChatLogprobs(content=[self._entry(e) for e in choice.logprobs or ()])
+
+    def _entry(self, entry: TokenLogprob) -> ChatTokenLogprob:
+        tokenizer = self.state.tokenizer
+        (token,) = token_strings(tokenizer, [entry.token_id])
+        top_strings = token_strings(tokenizer, [t for t, _ in entry.top])
+        top = [ChatTopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, (_, lp) in zip(top_strings, entry.top)]
+        return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()), top_logprobs=top)
+
+
+def _usage(out: RequestOutput, completion_tokens: int) -> UsageInfo:
+    prompt_tokens = len(out.prompt_token_ids)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details={"cached_tokens": out.num_cached_tokens} if out.num_cached_tokens else None)

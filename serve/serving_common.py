@@ -1,0 +1,147 @@
+"""Shared pieces of the completion and chat handlers: server state, request admission, SSE
+framing, merging the streams of several prompts, and abort on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from autodeploy.sampling_params import SamplingParams
+
+from .async_engine import AsyncEngine
+from .engine import context_length_message
+from .errors import OpenAIError, bad_request, error_body
+from .metrics import Metrics
+from .outputs import OutputAccumulator, RequestOutput
+
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+@dataclass
+class ServerState:
+    """What the handlers share. ``engine`` stays None while the model loads (503 until then)."""
+
+    served_model_name: str
+    api_key: str | None = None
+    engine: AsyncEngine | None = None
+    tokenizer: Any = None
+    max_model_len: int = 0
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None)
+
+    def attach(self, engine: AsyncEngine, tokenizer: Any, max_model_len: int) -> None:
+        """The model is loaded: start serving it."""
+        engine.on_outputs = self.metrics.observe
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.engine = engine
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise OpenAIError(503, "the model is still loading; retry shortly")
+        if not self.engine.is_running:
+            raise OpenAIError(503, f"the engine has stopped: {self.engine.error}")
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.served_model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise bad_request("this server has no tokenizer: send token ids as the prompt", "prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_params, requested: int | None,
+          prompt_param: str) -> SamplingParams:
+    """Sampling params of one prompt, checked against the context; every problem is a 400."""
+    if len(prompt_ids) >= state.max_model_len:
+        raise bad_request(context_length_message(state.max_model_len, len(prompt_ids), requested), prompt_param)
+    max_tokens = requested if requested is not None else state.max_model_len - len(prompt_ids)
+    try:
+        params = make_params(max_tokens)
+        if state.tokenizer is None:
+            params = dataclasses.replace(params, detokenize=False)
+        engine.check_request(prompt_ids, params)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return params
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json(exclude_unset=False) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    status = exc.status if isinstance(exc, OpenAIError) else (400 if isinstance(exc, ValueError) else 500)
+    return sse(error_body(status, str(exc)))
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Items of several streams as they come, tagged with the stream's index. Leaving early
+    cancels every stream (which aborts their requests)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except Exception as exc:  # noqa: BLE001 (re-raised in the consumer)
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]], raw_request: Request) -> list[RequestOutput]:
+    """Final outputs of all streams; aborts them all if the client disconnects first."""
+
+    async def gather() -> list[RequestOutput]:
+        results = [OutputAccumulator("") for _ in streams]
+        async for i, out in merge_streams(streams):
+            results[i].request_id = out.request_id
+            results[i].add(out)
+        return [r.result() for r in results]
+
+    task = asyncio.create_task(gather())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return task.result()
+        if await raw_request.is_disconnected():
+            task.cancel()
+            raise OpenAIError(499, "client disconnected")
+

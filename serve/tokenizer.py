@@ -1,0 +1,64 @@
+"""Tokenizer loading, chat-template rendering and per-token strings (for log-probabilities)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | Path | None, chat_template: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The HF tokenizer in ``path``, or None when the directory has none (token-id prompts only).
+
+    ``chat_template`` (a file path or the template itself) replaces the tokenizer's own.
+    """
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        template_file = Path(chat_template)
+        tokenizer.chat_template = template_file.read_text() if template_file.is_file() else chat_template
+    return tokenizer
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Prompt token ids of a conversation, through the tokenizer's chat template.
+
+    Raises ``ValueError`` when there is no template or the template rejects the messages.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use /v1/completions or start with --chat_template")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja errors, raise_exception(...) in the template
+        raise ValueError(f"cannot apply the chat template: {exc}") from exc
+    # The template writes the special tokens (BOS...) itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """Each token's own text, as log-probability entries name tokens."""
+    if tokenizer is None:
+        return [f"token_id:{t}" for t in token_ids]
+    return [tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in token_ids]

@@ -1,0 +1,53 @@
+"""The offline benchmark and the serving benchmark client, on the tiny model."""
+
+import asyncio
+import json
+
+import pytest
+
+from autodeploy.cli import main
+from autodeploy.serve.bench import run_offline
+from autodeploy.serve.bench_serving import run_benchmark
+from autodeploy.serve.bench_stats import percentile
+
+
+def test_percentile_interpolates():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 90) == pytest.approx(10)
+
+
+def test_offline_benchmark(compiled):
+    result = run_offline(compiled, input_len=8, output_len=4, num_requests=6, concurrency=3)
+    assert result.ttft.count == 6 and result.tpot.count == 6 and result.itl.count == 6 * 3
+    assert result.output_throughput == pytest.approx(result.request_throughput * 4)
+    assert 1 <= result.mean_batch_size <= 3 and result.model_decode_step_ms > 0
+    assert "TPOT" in result.summary() and "bare model decode step" in result.summary()
+
+
+def test_offline_benchmark_command(compiled, monkeypatch, capsys, tmp_path):
+    import autodeploy.compiler
+
+    monkeypatch.setattr(autodeploy.compiler, "compile", lambda model_dir, **options: compiled)
+    out = tmp_path / "result.json"
+    assert main(["bench", "offline", "unused", "--input_len", "4", "--output_len", "3", "--num_requests", "2",
+                 "--output_json", str(out)]) == 0
+    assert "throughput" in capsys.readouterr().out
+    assert json.loads(out.read_text())["num_requests"] == 2
+
+
+@pytest.mark.parametrize("endpoint, mode", [("completions", {"concurrency": 4}), ("chat", {"request_rate": 50.0})])
+def test_serving_benchmark(live, compiled, endpoint, mode):
+    result = asyncio.run(run_benchmark(live.url, endpoint=endpoint, input_len=8, output_len=4, num_requests=8,
+                                       vocab_size=compiled.vocab_size, **mode))
+    assert (result.completed, result.failed) == (8, 0), result.first_error
+    assert result.ttft.count == 8 and result.tpot.count == 8 and result.e2e.count == 8
+    assert result.itl.count >= 8 * 3  # chat streams one extra (role) chunk per request
+    assert result.ttft.p50_ms <= result.e2e.p50_ms
+
+
+def test_serving_benchmark_command(live, compiled, capsys):
+    assert main(["bench", "serve", "--base_url", live.url, "--input_len", "4", "--output_len", "2",
+                 "--num_requests", "3", "--max-concurrency", "2", "--vocab_size", str(compiled.vocab_size)]) == 0
+    out = capsys.readouterr().out
+    assert "completed 3, failed 0" in out and "TTFT" in out and "ITL" in out
