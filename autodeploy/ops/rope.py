@@ -5,11 +5,14 @@
 the model multiplies with, in the model's own layout:
 - half-rotate (NeoX / Llama):   x*cos + cat(-x2, x1)*sin      with x1, x2 the two halves
 - interleaved (GPT-J / Cohere): x*cos + stack(-x_odd, x_even)*sin  pairwise
+On CUDA one Triton kernel computes it (``autodeploy.kernels.rope``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._triton import use_triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +37,10 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interl
 
 @torch.library.custom_op("autodeploy::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if use_triton(x):
+        from ..kernels.rope import rope as rope_triton
+
+        return rope_triton(x, cos, sin, interleaved)
     return rope_reference(x, cos, sin, interleaved).contiguous()
 
 
