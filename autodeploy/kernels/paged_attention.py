@@ -28,8 +28,9 @@ from .kv_cache_write import write_kv_cache
 @triton.jit
 def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b with cu_seqlens[b] // BLOCK_Q + b <= tile (binary search over the sequences)."""
-    lo = 0
-    hi = num_seqs
+    # typed tensors: loop-carried values must keep one type (an int arg equal to 1 is a constexpr)
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(cu_seqlens_ptr + mid) // BLOCK_Q + mid
