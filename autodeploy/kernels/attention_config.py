@@ -49,7 +49,7 @@ class AttentionLaunch:
             block_m, warps, stages = max(16, group_pad), 4, 3
         else:
             block_m = max(128 if head_dim <= 128 else 64, group_pad)
-            warps, stages = (8 if block_m >= 128 else 4), 2
+            warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
         splits = _num_splits(tiles, max_kv_len, _program_slots(device))
