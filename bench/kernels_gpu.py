@@ -307,19 +307,23 @@ def check_attention_features(report: Report) -> None:
 
 
 def sweep_decode(report: Report) -> None:
-    """Decode launch configurations, to tune AttentionLaunch.choose with measurements."""
-    for b, c in ((1, 4096), (64, 512), (64, 4096)):
+    """Decode launch configurations and split counts, to tune AttentionLaunch.choose with measurements."""
+    for b, c in ((1, 4096), (8, 4096), (64, 512), (64, 4096)):
         seqs = [(c - 1, 1)] * b
         nbytes, _ = attention_cost(seqs)
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
         base = AttentionLaunch.choose(b, b, HQ, HKV, D, c, DEV)
-        for block_n in (16, 32, 64, 128):
-            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
-                launch = AttentionLaunch(16, block_n, base.num_splits, warps, stages)
-                err = rel_err(batches[0].triton(launch), batches[0].reference())
-                row = Row(f"sweep b={b} ctx={c} n={block_n} w={warps} s={stages}", err,
-                          note=f"splits {base.num_splits}")
-                report.add(timed(row, lambda i: lambda: batches[i].triton(launch), None, nbytes))
+        configs = [AttentionLaunch(16, n, base.num_splits, w, st)
+                   for n in (16, 32, 64, 128) for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))]
+        configs += [AttentionLaunch(16, base.block_n, sp, base.num_warps, base.num_stages)
+                    for sp in (1, 2, 4, 8, 16, 32) if sp != base.num_splits]
+        for launch in configs:
+            err = rel_err(batches[0].triton(launch), batches[0].reference())
+            row = Row(f"sweep b={b} ctx={c} n={launch.block_n} w={launch.num_warps} s={launch.num_stages}", err,
+                      note=f"splits {launch.num_splits} (default {base.block_n}/{base.num_warps}/"
+                           f"{base.num_stages}, {base.num_splits} splits)")
+            report.add(timed(row, lambda i: lambda: batches[i].triton(launch), None, nbytes))
+        del batches
 
 
 def main() -> int:

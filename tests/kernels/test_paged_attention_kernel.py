@@ -61,9 +61,10 @@ def test_tiles_larger_than_pages_and_pages_larger_than_tiles():
 
 
 def test_default_launch_choice():
-    decode = AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, torch.device("cpu"))
-    prefill = AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, torch.device("cpu"))
-    assert (decode.block_m, decode.block_q(4)) == (16, 4) and prefill.block_m == 128
-    single = AttentionLaunch.choose(1, 1, 32, 8, 128, 4096, torch.device("cpu"))
-    assert single.num_splits == 1  # 8 tiles already cover the interpreter's 4 program slots
-    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, torch.device("cpu")).num_splits == 4
+    cpu = torch.device("cpu")  # the interpreter pretends to be one SM wanting 12 programs
+    decode = AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, cpu)
+    prefill = AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu)
+    assert (decode.block_m, decode.block_q(4), decode.num_splits) == (16, 4, 1) and prefill.block_m == 128
+    assert AttentionLaunch.choose(1, 1, 32, 8, 128, 4096, cpu).num_splits == 2  # 8 tiles -> 2 splits
+    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 12
+    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split
