@@ -100,16 +100,16 @@ def _attention(dtype="bf16", **overrides):
 def variants():
     """(name, kernel, pointer types, constexprs, warps, stages) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
-    yield ("attn decode gqa4 d128 (split 4)", *_attention(), 4, 3)
-    yield ("attn decode gqa4 d128 (no split)", *_attention(NUM_SPLITS=1), 4, 3)
-    yield ("attn decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16), 4, 3)
+    yield ("attn decode gqa4 d128 (split 4)", *_attention(), 4, 2)
+    yield ("attn decode gqa4 d128 (no split)", *_attention(NUM_SPLITS=1), 4, 2)
+    yield ("attn decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16), 4, 2)
     yield ("attn prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, NUM_SPLITS=1), 8, 2)
     yield ("attn prefill gqa3 d64 window+softcap+sinks", *_attention(GROUP=3, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64,
            BLOCK_Q=32, NUM_SPLITS=1, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True), 8, 2)
     yield ("attn prefill mha d256 (BLOCK_M 64)", *_attention(GROUP=1, GROUP_PAD=1, HEAD_DIM=256, BLOCK_D=256,
            BLOCK_Q=64, BLOCK_N=32, NUM_SPLITS=1), 8, 2)
-    yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 3)
-    yield ("attn decode fp32 d64", *_attention("fp32", HEAD_DIM=64, BLOCK_D=64), 4, 3)
+    yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 2)
+    yield ("attn decode fp32 d64", *_attention("fp32", HEAD_DIM=64, BLOCK_D=64), 4, 2)
     combine_ptrs = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cu_seqlens_ptr": "*i64"}
     yield ("attn combine (32 splits)", paged_attention._combine_kernel, combine_ptrs,
            dict(NUM_SPLITS=32, SPLITS_PAD=32, HEAD_DIM=128, BLOCK_D=128), 4, 1)

@@ -48,6 +48,40 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_keys(
+    q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
+    dims, dim_ok, scale, softcap, window,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N) gathered from the paged cache."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_hi
+    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
+    slot = page * stride_cb + (keys % PAGE_SIZE) * stride_cs
+    k_t = tl.load(cache_head + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s = s * 1.4426950408889634  # log2(e): softmax in base 2
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = m_new
+    if MASKED:  # rows with nothing visible yet keep m = -inf; exponentiate against 0 instead
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    v = tl.load(cache_head + stride_ckv + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, sinks_ptr,
     context_lens_ptr, cu_seqlens_ptr, block_table_ptr, num_seqs,
@@ -102,29 +136,21 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     cache_head = cache_ptr + kv_head * stride_ch
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < kv_hi
-        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
-        slot = page * stride_cb + (keys % PAGE_SIZE) * stride_cs
-        kv_mask = key_ok[None, :] & dim_ok[:, None]
-        k_t = tl.load(cache_head + slot[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
-        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = s * 1.4426950408889634
-        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[:, None] - keys[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_ckv + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Whole key blocks that every row of the tile sees (at or before its first position) need no
+    # mask; only the blocks on the diagonal (and, with a window, all of them) are masked.
+    if HAS_WINDOW:
+        unmasked_end = kv_lo
+    else:
+        seen_by_all = tl.minimum(kv_hi, ctx_len + q_first + 1)
+        unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(
+            q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
+            dims, dim_ok, scale, softcap, window, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False)
+    for start in range(unmasked_end, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(
+            q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
+            dims, dim_ok, scale, softcap, window, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True)
 
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]

@@ -14,13 +14,13 @@ MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]
 
 def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None, softcap=None, sinks=False,
              pad_tokens=0):
-    blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=24)
+    blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=64)
     query_lens, context_lens, cu, table, slots = step_metadata(
         [(c, n, b) for (c, n), b in zip(seqs, blocks)], page, pad_tokens)
     tokens = slots.shape[0]
     q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (heads, kv_heads, kv_heads))
     sink_logits = torch.randn(heads) if sinks else None
-    cache = random_cache(24, page, kv_heads, head_dim, dtype)
+    cache = random_cache(64, page, kv_heads, head_dim, dtype)
     want_cache, got_cache = cache.clone(), cache.clone()
     want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, window, softcap, sink_logits)
     got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, window, softcap, sink_logits,
@@ -48,6 +48,11 @@ def test_sliding_window_softcap_and_sinks(splits):
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), window=3)
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), softcap=2.5)
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(32, 8, splits), window=5, softcap=4.0, sinks=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_long_contexts_mix_unmasked_and_diagonal_blocks(splits):
+    _compare([(150, 3), (40, 30), (0, 45)], 4, 2, 16, torch.float16, AttentionLaunch(32, 16, splits), page=8)
 
 
 def test_padding_rows_are_zero_and_write_nowhere():
