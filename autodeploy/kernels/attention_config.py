@@ -13,9 +13,12 @@ import torch
 
 MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
 MAX_SPLITS = 64
-# Programs wanted per SM: a decode program (90-130 registers x 128 threads, 39 KB smem) fits 4-5
-# per SM, so ~3 waves: the last, partial wave leaves SMs idle for a small share of the time.
-PROGRAMS_PER_SM = 12
+# Programs wanted per SM before splitting the keys. A decode program (90-130 registers x 128
+# threads, 39 KB smem) fits 4-5 per SM: 12 is ~3 waves, so the last, partial wave idles little.
+# A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
+# work: split only when the tiles cannot give every SM two programs.
+DECODE_PROGRAMS_PER_SM = 12
+PREFILL_PROGRAMS_PER_SM = 2
 CPU_SMS = 1  # what the interpreter pretends to have: small tests still take the split path
 
 
@@ -48,14 +51,16 @@ class AttentionLaunch:
         would leave SMs idle, flash-decoding splits over the keys; prefill gets 128-row tiles."""
         group_pad = _next_pow2(num_heads // num_kv_heads)
         block_n = 64 if head_dim <= 128 else 32
-        if num_tokens <= 2 * num_seqs:
+        decode = num_tokens <= 2 * num_seqs
+        if decode:
             block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
         else:
             block_m = max(128 if head_dim <= 128 else 64, group_pad)
             warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
-        splits = _num_splits(tiles, max_kv_len, PROGRAMS_PER_SM * _sm_count_of(device))
+        per_sm = DECODE_PROGRAMS_PER_SM if decode else PREFILL_PROGRAMS_PER_SM
+        splits = _num_splits(tiles, max_kv_len, per_sm * _sm_count_of(device))
         return cls(block_m, block_n, splits, warps, stages)
 
 

@@ -31,11 +31,13 @@ class AttentionBackend:
     """One implementation of paged attention.
 
     ``availability(device)`` returns why the backend cannot run there (None: it can);
-    ``unsupported`` names features of ``FEATURES`` it lacks; ``head_dims`` limits head sizes.
+    ``unsupported`` names features of ``FEATURES`` it lacks; ``head_dims`` limits head sizes;
+    ``capturable``: the op never synchronises with the host, so a CUDA graph can capture it.
     """
 
     name: str
     op: Any  # torch OpOverload with the schema of autodeploy::paged_attention.default
+    capturable: bool = False
     availability: Callable[[torch.device], str | None] = _always
     unsupported: frozenset[str] = field(default_factory=frozenset)
     head_dims: tuple[int, ...] | None = None

@@ -73,7 +73,7 @@ def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot
 def _torch_backend():
     from .attention_backends import AttentionBackend
 
-    return AttentionBackend("torch", torch.ops.autodeploy.paged_attention.default)
+    return AttentionBackend("torch", torch.ops.autodeploy.paged_attention.default)  # syncs (.tolist()): not capturable
 
 
 TORCH_BACKEND = _torch_backend()

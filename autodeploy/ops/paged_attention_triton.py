@@ -43,4 +43,6 @@ def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot
     return torch.empty_like(q)
 
 
-TRITON_BACKEND = AttentionBackend("triton", torch.ops.autodeploy.paged_attention_triton.default, availability=triton_runs_on)
+TRITON_BACKEND = AttentionBackend(
+    "triton", torch.ops.autodeploy.paged_attention_triton.default, capturable=True, availability=triton_runs_on
+)

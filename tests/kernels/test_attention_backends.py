@@ -34,3 +34,8 @@ def test_unsupported_features_fail_at_compile_time():
     with pytest.raises(ConfigError, match="head dims"):
         flashinfer.check_layer(80, {}, "layer0")
     ATTENTION_BACKENDS.get("triton").check_layer(80, {"sinks": object()}, "layer0")
+
+
+def test_only_the_triton_backend_is_capturable_in_cuda_graphs():
+    assert {n: ATTENTION_BACKENDS.get(n).capturable for n in ATTENTION_BACKENDS.names()} == {
+        "flashinfer": False, "torch": False, "triton": True}  # flashinfer plans on the host every step

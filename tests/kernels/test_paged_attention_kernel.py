@@ -73,3 +73,4 @@ def test_default_launch_choice():
     assert AttentionLaunch.choose(1, 1, 32, 8, 128, 4096, cpu).num_splits == 2  # 8 tiles -> 2 splits
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 12
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split
+    assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
