@@ -123,9 +123,12 @@ def variants():
     for act, ident in activation.ACTIVATION_IDS.items():
         yield (f"act_mul {act}", activation._act_mul_kernel, act_ptrs, dict(ACTIVATION=ident, BLOCK=1024), 4, 1)
     rope_ptrs = bf16_ptrs("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")
+    rope_const = dict(HEAD_DIM=128, ROT_DIM=128, BLOCK_ROWS=16, BLOCK_D=128)
     for interleaved in (False, True):
         yield (f"rope d128 {'interleaved' if interleaved else 'half'}", rope._rope_kernel, rope_ptrs,
-               dict(HEAD_DIM=128, ROT_DIM=128, INTERLEAVED=interleaved, BLOCK_ROWS=16, BLOCK_D=128), 4, 1)
+               dict(rope_const, INTERLEAVED=interleaved), 4, 1)
+    qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
+    yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
 
 
 def main() -> int:

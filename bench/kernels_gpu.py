@@ -46,7 +46,7 @@ from autodeploy.kernels.activation import act_mul  # noqa: E402
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 from autodeploy.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
-from autodeploy.kernels.rope import rope  # noqa: E402
+from autodeploy.kernels.rope import rope, rope_qk  # noqa: E402
 from autodeploy.ops.mlp import ACTIVATIONS  # noqa: E402
 from autodeploy.ops.norm import rms_norm_reference  # noqa: E402
 from autodeploy.ops.rope import rope_reference  # noqa: E402
@@ -190,10 +190,17 @@ def bench_rope(report: Report) -> None:
         q = [t[..., : HQ * D].view(1, tokens, HQ, D).transpose(1, 2) for t in qkv]
         cos = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
         sin = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
+        k = [t[..., HQ * D: (HQ + HKV) * D].view(1, tokens, HKV, D).transpose(1, 2) for t in qkv]
         ref = lambda i: lambda: rope_reference(q[i], cos, sin, False)  # noqa: E731
         err = rel_err(rope(q[0], cos, sin), ref(0)())
         report.add(timed(Row(f"rope q T={tokens} 32x128", err), lambda i: lambda: rope(q[i], cos, sin), ref,
                          2 * (2 * tokens * HQ * D + 2 * tokens * D)))
+        ref_qk = lambda i: lambda: (rope_reference(q[i], cos, sin, False), rope_reference(k[i], cos, sin, False))  # noqa: E731
+        got_q, got_k = rope_qk(q[0], k[0], cos, sin)
+        want_q, want_k = ref_qk(0)()
+        report.add(timed(Row(f"rope_qk T={tokens} 32+8 heads", max(rel_err(got_q, want_q), rel_err(got_k, want_k))),
+                         lambda i: lambda: rope_qk(q[i], k[i], cos, sin), ref_qk,
+                         2 * (2 * tokens * (HQ + HKV) * D + 2 * tokens * D)))
 
 
 # ----------------------------------------------------------------------------- paged attention

@@ -12,6 +12,7 @@ _BUILTIN = {
     "fuse_qkv": "autodeploy.passes.fuse:FuseQKV",
     "fuse_gate_up": "autodeploy.passes.fuse:FuseGateUp",
     "fuse_add_rms_norm": "autodeploy.passes.fuse:FuseAddRMSNorm",
+    "fuse_rope_qk": "autodeploy.passes.fuse:FuseRoPEQK",
     "load_weights": "autodeploy.passes.load_weights:LoadWeights",
     "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
     "allocate_kv_cache": "autodeploy.passes.allocate_kv_cache:AllocateKVCache",

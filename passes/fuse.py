@@ -3,7 +3,8 @@
 - ``fuse_qkv``: sibling linears on one input -> one GEMM + slices (``transforms/fuse_qkv.py``);
 - ``fuse_gate_up``: ``swiglu`` -> ``fused_swiglu`` with one gate/up GEMM (``transforms/fuse_gate_up.py``);
 - ``fuse_add_rms_norm``: residual add + RMSNorm -> one kernel, and RMSNorm reading bf16/fp16
-  directly instead of an fp32 copy (``transforms/fuse_add_rms_norm.py``).
+  directly instead of an fp32 copy (``transforms/fuse_add_rms_norm.py``);
+- ``fuse_rope_qk``: the q and k rotations of an attention in one launch (``transforms/fuse_rope_qk.py``).
 
 The two GEMM fusions create stacked parameters on meta and register a load hook per checkpoint
 tensor that copies it into its rows of the stacked parameter on the device (allocated when the
@@ -22,6 +23,7 @@ from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
 from autodeploy.transforms.fuse_add_rms_norm import fold_norm_input_casts, fuse_add_rms_norm
 from autodeploy.transforms.fuse_gate_up import fuse_gate_up
 from autodeploy.transforms.fuse_qkv import fuse_sibling_linears
+from autodeploy.transforms.fuse_rope_qk import fuse_rope_qk
 
 from .load_weights import set_tensor_attr_replace
 
@@ -99,3 +101,14 @@ class FuseAddRMSNorm(Pass):
         fused = fuse_add_rms_norm(ctx.gm)
         folded = fold_norm_input_casts(ctx.gm)
         return PassResult(fused.matches, f"{fused.matches} add+norm fused, {folded.matches} norm input casts folded")
+
+
+class FuseRoPEQK(Pass):
+    name = "fuse_rope_qk"
+    stage = Stage.FUSE
+    requires = ("rope_canonical", "attention_canonical")
+    ensures = ("rope_qk_fused",)
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        result = fuse_rope_qk(ctx.gm)
+        return PassResult(result.matches, f"{result.matches} q/k rotation pairs, {result.rejected} left apart")

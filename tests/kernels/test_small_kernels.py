@@ -5,7 +5,7 @@ import torch
 
 from autodeploy.kernels.activation import act_mul
 from autodeploy.kernels.norm import add_rms_norm, rms_norm
-from autodeploy.kernels.rope import rope
+from autodeploy.kernels.rope import rope, rope_qk
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -76,3 +76,18 @@ def test_rope(interleaved, rot, bnsd, dtype):
 def test_rope_on_flat_tokens():
     x, cos, sin = torch.randn(7, 4, 32), torch.randn(7, 1, 32), torch.randn(7, 1, 32)
     torch.testing.assert_close(rope(x, cos, sin), torch.ops.autodeploy.rope(x, cos, sin, False))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_rotates_both_in_one_launch(interleaved, dtype):
+    """GQA: q has more heads than k; both are strided views of one fused qkv output."""
+    qkv = torch.randn(1, 5, (4 + 2 * 2) * 16).to(dtype)
+    q = qkv[..., :64].view(1, 5, 4, 16).transpose(1, 2)
+    k = qkv[..., 64:96].view(1, 5, 2, 16).transpose(1, 2)
+    cos, sin = (torch.randn(1, 1, 5, 16).to(dtype) for _ in range(2))
+    got_q, got_k = rope_qk(q, k, cos, sin, interleaved)
+    want_q, want_k = torch.ops.autodeploy.rope_qk(q, k, cos, sin, interleaved)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    torch.testing.assert_close(want_k, torch.ops.autodeploy.rope(k, cos, sin, interleaved))

@@ -39,6 +39,7 @@ def test_fused_graph_and_hook_loading(compiled):
     path, model, sources = compiled
     counts = model.report.op_counts
     assert counts["fused_add_rms_norm"] == 4 and counts["fused_swiglu"] == 2 and counts.get("swiglu", 0) == 0
+    assert counts["rope_qk"] == 2 and counts.get("rope", 0) == 0
     assert [type(s) for s in sources] == [SafetensorsSource]  # no fallback to a second host copy
     state = load_file(next(path.glob("*.safetensors")))
     params = dict(model.gm.named_parameters())
