@@ -37,7 +37,9 @@ class CompileConfig(BaseModel):
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="fix the KV-cache size instead of measuring memory")
     kv_cache_cpu_bytes: int = Field(1 << 30, ge=1, description="KV-cache budget when running on the CPU")
-    attention_backend: str = Field("torch", description="paged attention implementation: torch, triton, flashinfer")
+    attention_backend: str = Field(
+        "auto", description="paged attention: auto (triton on CUDA, torch on CPU), torch, triton, flashinfer"
+    )
     allow_pickle: bool = Field(False, description="accept pickle (.bin) weights; only for trusted checkpoints")
     trust_remote_code: bool = Field(False, description="run modeling code shipped with the checkpoint")
     dump_dir: str | None = Field(None, description="write every intermediate graph here (or AUTODEPLOY_DUMP_DIR)")

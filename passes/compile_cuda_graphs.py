@@ -7,9 +7,8 @@ with the host (the torch reference backend).
 from __future__ import annotations
 
 from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
+from autodeploy.ops.attention_backends import ATTENTION_BACKENDS
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
-
-CAPTURABLE_BACKENDS = {"triton", "flashinfer"}
 
 
 class CudaGraphConfig(PassConfig):
@@ -26,8 +25,8 @@ class CompileCudaGraphs(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         if ctx.device.type != "cuda":
             return PassResult(0, "skipped: not on CUDA")
-        backend = ctx.artifacts.get("attention_backend", ctx.config.attention_backend)
-        if backend not in CAPTURABLE_BACKENDS:
+        backend = ctx.artifacts["attention_backend"]
+        if not ATTENTION_BACKENDS.get(backend).capturable:
             return PassResult(0, f"skipped: attention backend '{backend}' cannot be captured")
         max_bs = ctx.config.max_batch_size
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})

@@ -1,7 +1,9 @@
 """insert_kv_cache: canonical attention -> paged-KV attention over the shared pool layout.
 
-Each ``autodeploy::attention`` (flattened layout: batch 1, T tokens) becomes
-``autodeploy::paged_attention`` on [T, H, D] views, reading the batch metadata and its layer's
+Each ``autodeploy::attention`` (flattened layout: batch 1, T tokens) becomes the paged-attention op
+of the configured backend (``CompileConfig.attention_backend``, see
+``autodeploy.ops.attention_backends``; all share the schema of ``autodeploy::paged_attention``) on
+[T, H, D] views, reading the batch metadata and its layer's
 cache from new graph inputs (``autodeploy.kvcache.metadata`` names them). The per-layer cache specs
 go to ``ctx.artifacts["kv_specs"]`` for allocate_kv_cache.
 """
@@ -14,6 +16,7 @@ from torch import fx
 from autodeploy.graph.meta import add_graph_input, propagate_meta
 from autodeploy.kvcache.metadata import METADATA_INPUTS
 from autodeploy.kvcache.pool import KVCacheSpec
+from autodeploy.ops.attention_backends import AttentionBackend, resolve_attention_backend
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 aten = torch.ops.aten
@@ -36,22 +39,33 @@ class InsertKVCache(Pass):
         attentions = list(gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.attention.default))
         if not attentions:
             raise RuntimeError("no canonical attention in the graph; nothing to cache")
+        backend = resolve_attention_backend(ctx.config.attention_backend, ctx.device)
+        for node in attentions:
+            backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
         meta = {name: add_graph_input(gm, name, _example_metadata(name)) for name in METADATA_INPUTS}
         specs = []
         for layer, node in enumerate(attentions):
             spec = _spec(node, self.config.cache_dtype)
             cache = add_graph_input(gm, f"kv_cache_{layer}", _example_cache(spec))
-            _replace(gm, node, cache, meta, layer)
+            _replace(gm, node, cache, meta, layer, backend)
             specs.append(spec)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         ctx.artifacts["kv_specs"] = specs
-        return PassResult(len(attentions), f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}")
+        ctx.artifacts["attention_backend"] = backend.name
+        return PassResult(
+            len(attentions),
+            f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}, backend {backend.name}",
+        )
+
+
+def _attention_kwargs(node: fx.Node) -> dict:
+    return dict(zip(("scale", "causal", "sliding_window", "logit_softcap", "sinks"), node.args[3:]), **node.kwargs)
 
 
 def _spec(node: fx.Node, cache_dtype: str | None) -> KVCacheSpec:
     q, k, v = (a.meta["val"] for a in node.args[:3])
-    kwargs = dict(zip(("scale", "causal", "sliding_window", "logit_softcap", "sinks"), node.args[3:]), **node.kwargs)
+    kwargs = _attention_kwargs(node)
     if not kwargs.get("causal", True):
         raise RuntimeError(f"{node.name}: non-causal attention cannot use a KV cache")
     if k.shape[-1] != v.shape[-1] or q.shape[-1] != k.shape[-1]:
@@ -60,14 +74,16 @@ def _spec(node: fx.Node, cache_dtype: str | None) -> KVCacheSpec:
     return KVCacheSpec(num_kv_heads=int(k.shape[2]), head_dim=int(k.shape[3]), dtype=dtype)
 
 
-def _replace(gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, fx.Node], layer: int) -> None:
+def _replace(
+    gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, fx.Node], layer: int, backend: AttentionBackend
+) -> None:
     graph = gm.graph
     q, k, v = node.args[:3]
-    kwargs = dict(zip(("scale", "causal", "sliding_window", "logit_softcap", "sinks"), node.args[3:]), **node.kwargs)
+    kwargs = _attention_kwargs(node)
     with graph.inserting_before(node):
         flat = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (q, k, v)]  # [1, T, H, D] -> [T, H, D]
         out = graph.call_function(
-            torch.ops.autodeploy.paged_attention.default,
+            backend.op,
             (*flat, cache, *(meta[n] for n in METADATA_INPUTS if n != "logits_indices")),
             {
                 "scale": kwargs["scale"],
@@ -80,7 +96,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, 
     new_nodes = [*flat, out, restored]
     propagate_meta(gm, new_nodes)
     for n in new_nodes:
-        n.meta["autodeploy_provenance"] = f"insert_kv_cache/layer{layer}"
+        n.meta["autodeploy_provenance"] = f"insert_kv_cache/layer{layer}/{backend.name}"
     node.replace_all_uses_with(restored)
     graph.erase_node(node)
 

@@ -1,7 +1,9 @@
 """load_weights: materialize every parameter and buffer on the target device.
 
 Checkpoint tensors stream one at a time; a tensor with registered load hooks (fusion, sharding,
-quantization) goes to its hooks, any other is copied into the parameter of the same name. With
+quantization) goes to its hooks, any other is copied into the parameter of the same name. A
+parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
+checkpoint; it counts as loaded once its hooks report every piece delivered. With
 ``weights: random`` parameters are filled on the device instead (benchmarks). Afterwards factory
 ops in the graph are retargeted to the device.
 """
@@ -68,7 +70,8 @@ class LoadWeights(Pass):
         return count
 
     def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
-        source = choose_weight_source(ctx.checkpoint, set(pending) | set(ctx.weight_hooks), ctx.dtype)
+        needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
+        source = choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
         count, unexpected = 0, []
         items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
         for name, tensor in items:
@@ -83,6 +86,9 @@ class LoadWeights(Pass):
             count += 1
         if unexpected:
             log.info("ignored %d checkpoint tensors not used by the graph (e.g. %s)", len(unexpected), unexpected[0])
+        for name, complete in ctx.hook_targets.items():
+            if name in pending and complete():
+                pending.pop(name)
         return count
 
 

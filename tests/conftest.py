@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels are tested on the CPU through the interpreter (must be set before kernels are defined)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -160,12 +160,20 @@ class StepBuffers:
             self.events[self.turn].record()
 
 
+def _logits_indices(chunks: list[SequenceChunk], cu: list[int]) -> list[int]:
+    """The last ``num_logits`` tokens of each chunk; a chunk without tokens (padding) gets row 0."""
+    rows = []
+    for chunk, end in zip(chunks, cu[1:]):
+        rows.extend(range(end - chunk.num_logits, end) if chunk.token_ids else [0])
+    return rows
+
+
 def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dict[str, list[int]]:
     ids, positions, slots, query_lens, context_lens, table = [], [], [], [], [], []
     for chunk in chunks:
         if chunk.end > len(chunk.block_ids) * block_size:
             raise ValueError(f"sequence needs {chunk.end} slots but has {len(chunk.block_ids)} blocks")
-        if not 1 <= chunk.num_logits <= len(chunk.token_ids):
+        if chunk.token_ids and not 1 <= chunk.num_logits <= len(chunk.token_ids):
             raise ValueError(f"num_logits must be in [1, {len(chunk.token_ids)}], got {chunk.num_logits}")
         ids.extend(chunk.token_ids)
         pos = range(chunk.context_len, chunk.end)
@@ -186,5 +194,5 @@ def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dic
         "cu_seqlens": cu + [cu[-1]] * pad_seqs,
         "block_table": table + [-1] * (pad_seqs * shape.max_blocks),
         "slot_mapping": slots + [-1] * pad_tokens,
-        "logits_indices": [i for c, end in zip(chunks, cu[1:]) for i in range(end - c.num_logits, end)] + [0] * pad_seqs,
+        "logits_indices": _logits_indices(chunks, cu) + [0] * pad_seqs,
     }

@@ -1,11 +1,19 @@
 """Canonical ops: ``torch.ops.autodeploy.*``.
 
 Each op is a ``torch.library.custom_op`` with a pure-torch reference implementation (runs on CPU)
-and a fake implementation for shape propagation. Later passes match only these ops. GPU backends
-(Triton, FlashInfer) register against the same contracts in ``autodeploy.kernels`` and are chosen
-by configuration, never by rewriting the graph differently.
+and a fake implementation for shape propagation. Later passes match only these ops. Paged-attention
+backends (torch, Triton, FlashInfer) are ops with one schema, listed in ``attention_backends`` and
+chosen by configuration; the Triton kernels they call live in ``autodeploy.kernels``.
 """
 
-from . import attention, mlp, norm, paged_attention, rope  # noqa: F401  (registers the ops)
+from . import (  # noqa: F401  (registers the ops)
+    attention,
+    mlp,
+    norm,
+    paged_attention,
+    paged_attention_flashinfer,
+    paged_attention_triton,
+    rope,
+)
 
-__all__ = ["attention", "mlp", "norm", "paged_attention", "rope"]
+__all__ = ["attention", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "rope"]

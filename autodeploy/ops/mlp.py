@@ -2,6 +2,9 @@
 
 ``swiglu(x, w_gate, w_up, w_down, activation)`` = ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``
 with ``activation`` one of ``silu`` (SwiGLU), ``gelu`` or ``gelu_tanh`` (GeGLU).
+``fused_swiglu(x, w_gate_up, w_down, activation)`` is the same with the gate and up rows stacked in
+one weight (gate first; ``fuse_gate_up``): one GEMM instead of two. On CUDA ``act(gate) * up`` is one
+Triton kernel (``autodeploy.kernels.activation``) reading the GEMM outputs in place.
 
 ``moe(x[T, H], topk_ids[T, K], topk_weights[T, K], w_gate_up[E, 2I, H], w_down[E, H, I])``: each
 token goes through its K experts (a gated MLP whose gate and up rows are stacked in ``w_gate_up``,
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ._triton import use_triton
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -31,13 +36,32 @@ def _activation(name: str):
 def swiglu(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu"
 ) -> torch.Tensor:
-    hidden = _activation(activation)(F.linear(x, w_gate)) * F.linear(x, w_up)
-    return F.linear(hidden, w_down)
+    return F.linear(gated_activation(F.linear(x, w_gate), F.linear(x, w_up), activation), w_down)
 
 
 @swiglu.register_fake
 def _(x, w_gate, w_up, w_down, activation="silu"):
     return x.new_empty(*x.shape[:-1], w_down.shape[0])
+
+
+@torch.library.custom_op("autodeploy::fused_swiglu", mutates_args=())
+def fused_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(gated_activation(gate, up, activation), w_down)
+
+
+@fused_swiglu.register_fake
+def _(x, w_gate_up, w_down, activation="silu"):
+    return x.new_empty(*x.shape[:-1], w_down.shape[0])
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up``: one Triton kernel on CUDA, the torch reference elsewhere."""
+    if use_triton(gate):
+        from ..kernels.activation import act_mul
+
+        return act_mul(gate, up, activation)
+    return _activation(activation)(gate) * up
 
 
 @torch.library.custom_op("autodeploy::moe", mutates_args=())

@@ -68,3 +68,12 @@ def paged_attention(
 def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
       sliding_window=None, logit_softcap=None, sinks=None):
     return torch.empty_like(q)
+
+
+def _torch_backend():
+    from .attention_backends import AttentionBackend
+
+    return AttentionBackend("torch", torch.ops.autodeploy.paged_attention.default)  # syncs (.tolist()): not capturable
+
+
+TORCH_BACKEND = _torch_backend()

@@ -5,11 +5,14 @@
 the model multiplies with, in the model's own layout:
 - half-rotate (NeoX / Llama):   x*cos + cat(-x2, x1)*sin      with x1, x2 the two halves
 - interleaved (GPT-J / Cohere): x*cos + stack(-x_odd, x_even)*sin  pairwise
+On CUDA one Triton kernel computes it (``autodeploy.kernels.rope``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._triton import use_triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,11 +37,38 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interl
 
 @torch.library.custom_op("autodeploy::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if use_triton(x):
+        from ..kernels.rope import rope as rope_triton
+
+        return rope_triton(x, cos, sin, interleaved)
     return rope_reference(x, cos, sin, interleaved).contiguous()
 
 
 @rope.register_fake
 def _(x, cos, sin, interleaved=False):
+    out_dtype = torch.promote_types(x.dtype, cos.dtype)
+    shape = torch.broadcast_shapes(x[..., : cos.shape[-1]].shape, cos.shape)
+    return x.new_empty(*shape[:-1], x.shape[-1], dtype=out_dtype)
+
+
+@torch.library.custom_op("autodeploy::rope_qk", mutates_args=())
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rope(q, cos, sin), rope(k, cos, sin))``: one launch on CUDA (``fuse_rope_qk``)."""
+    if use_triton(q):
+        from ..kernels.rope import rope_qk as rope_qk_triton
+
+        return rope_qk_triton(q, k, cos, sin, interleaved)
+    return rope_reference(q, cos, sin, interleaved).contiguous(), rope_reference(k, cos, sin, interleaved).contiguous()
+
+
+@rope_qk.register_fake
+def _(q, k, cos, sin, interleaved=False):
+    return _rope_fake(q, cos), _rope_fake(k, cos)
+
+
+def _rope_fake(x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     out_dtype = torch.promote_types(x.dtype, cos.dtype)
     shape = torch.broadcast_shapes(x[..., : cos.shape[-1]].shape, cos.shape)
     return x.new_empty(*shape[:-1], x.shape[-1], dtype=out_dtype)

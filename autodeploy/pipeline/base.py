@@ -65,6 +65,8 @@ class CompileContext:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # real values of non-persistent buffers
     # checkpoint tensor name -> consumers; a name without hooks is copied into the parameter it names
     weight_hooks: dict[str, list[LoadHook]] = field(default_factory=dict)
+    # parameters that hooks build (e.g. fused GEMM weights) -> "has every piece arrived?"
+    hook_targets: dict[str, Callable[[], bool]] = field(default_factory=dict)
     properties: set[str] = field(default_factory=lambda: {"exported"})
     history: list[str] = field(default_factory=list)
     artifacts: dict[str, Any] = field(default_factory=dict)  # pass outputs: kv specs, capacity, ...

@@ -53,7 +53,7 @@ def test_missing_requirement_is_rejected(tmp_path):
 
 
 def test_disabled_provider_breaks_dependents():
-    with pytest.raises(ConfigError, match="insert_kv_cache"):
+    with pytest.raises(ConfigError, match="requires \\['attention_canonical'"):
         load_pipeline(overrides={"canonicalize_attention": {"enabled": False}})
 
 

@@ -3,7 +3,6 @@ template, compiled once per session (compiling is the slow part on the CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -47,18 +46,6 @@ def train_tokenizer(out_dir) -> None:
     hf.save_pretrained(out_dir)
 
 
-def compile_passes() -> dict:
-    # Until a MoE rule lands on this branch, the default pipeline names one that does not exist.
-    if importlib.util.find_spec("autodeploy.transforms.match_moe") is None:
-        return {"canonicalize_moe": {"enabled": False}}
-    return {}
-
-
-@pytest.fixture(scope="session")
-def pass_overrides() -> dict:
-    return compile_passes()
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from autodeploy.tiny import make_tiny_checkpoint
@@ -73,7 +60,7 @@ def tiny_dir(tmp_path_factory):
 def compiled(tiny_dir):
     import autodeploy
 
-    return autodeploy.compile(tiny_dir, passes=compile_passes(), **COMPILE_OPTIONS)
+    return autodeploy.compile(tiny_dir, **COMPILE_OPTIONS)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,88 @@
+"""Launch configuration of the Triton paged-attention kernel, chosen from shapes only.
+
+No autotuning: configs are a function of the shapes (the interpreter cannot autotune, and a CUDA
+graph needs the same launch on every replay), and nothing here reads a metadata value.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
+MAX_SPLITS = 64
+# Programs wanted per SM before splitting the keys. A decode program (90-130 registers x 128
+# threads, 39 KB smem) fits 4-5 per SM: 12 is ~3 waves, so the last, partial wave idles little.
+# A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
+# work: split only when the tiles cannot give every SM two programs.
+DECODE_PROGRAMS_PER_SM = 12
+PREFILL_PROGRAMS_PER_SM = 2
+CPU_SMS = 1  # what the interpreter pretends to have: small tests still take the split path
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Rows per query tile (query tokens x padded GQA group), keys per step, flash-decoding splits."""
+
+    block_m: int
+    block_n: int
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def block_q(self, group: int) -> int:
+        """Query tokens per tile for ``group`` query heads per KV head."""
+        return max(1, self.block_m // _next_pow2(group))
+
+    @classmethod
+    def choose(
+        cls,
+        num_tokens: int,
+        num_seqs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_kv_len: int,
+        device: torch.device,
+    ) -> "AttentionLaunch":
+        """Decode-like steps (about one query per sequence) get 16-row tiles and, when the grid
+        would leave SMs idle, flash-decoding splits over the keys; prefill gets 128-row tiles."""
+        group_pad = _next_pow2(num_heads // num_kv_heads)
+        block_n = 64 if head_dim <= 128 else 32
+        decode = num_tokens <= 2 * num_seqs
+        if decode:
+            block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
+        else:
+            block_m = max(128 if head_dim <= 128 else 64, group_pad)
+            warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
+        block_q = max(1, block_m // group_pad)
+        tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
+        per_sm = DECODE_PROGRAMS_PER_SM if decode else PREFILL_PROGRAMS_PER_SM
+        splits = _num_splits(tiles, max_kv_len, per_sm * _sm_count_of(device))
+        return cls(block_m, block_n, splits, warps, stages)
+
+
+def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:
+    """Flash-decoding splits: enough programs to fill the GPU, each streaming enough keys."""
+    if tiles >= target_programs:
+        return 1
+    wanted = -(-target_programs // tiles)
+    by_length = max(1, max_kv_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def _sm_count_of(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

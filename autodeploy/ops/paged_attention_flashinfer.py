@@ -1,0 +1,65 @@
+"""Optional FlashInfer backend of paged attention: ``autodeploy::paged_attention_flashinfer``.
+
+Same schema as ``autodeploy::paged_attention``; no attention sinks; head dims 64/128/256. It is
+registered whether or not FlashInfer is installed (so graphs naming it stay loadable); choosing it
+on a machine without ``flashinfer`` fails at compile time with the reason. Eager only: FlashInfer
+plans each step on the host (see ``autodeploy.kernels.flashinfer_paged``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .attention_backends import AttentionBackend
+
+
+@torch.library.custom_op("autodeploy::paged_attention_flashinfer", mutates_args=("kv_cache",))
+def paged_attention_flashinfer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if sinks is not None:
+        raise NotImplementedError("the flashinfer backend does not support attention sinks")
+    from ..kernels.flashinfer_paged import flashinfer_paged_attention
+
+    return flashinfer_paged_attention(
+        q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping,
+        scale, sliding_window, logit_softcap,
+    )
+
+
+@paged_attention_flashinfer.register_fake
+def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
+      sliding_window=None, logit_softcap=None, sinks=None):
+    return torch.empty_like(q)
+
+
+def flashinfer_runs_on(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"FlashInfer needs a CUDA device, not {device.type}"
+    for module in ("flashinfer", "triton"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install 'autodeploy[flashinfer]')"
+    return None
+
+
+FLASHINFER_BACKEND = AttentionBackend(
+    "flashinfer",
+    torch.ops.autodeploy.paged_attention_flashinfer.default,
+    availability=flashinfer_runs_on,
+    unsupported=frozenset({"sinks"}),
+    head_dims=(64, 128, 256),
+)

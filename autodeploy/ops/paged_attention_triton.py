@@ -1,0 +1,48 @@
+"""Triton backend of paged attention: ``autodeploy::paged_attention_triton``.
+
+Same schema and semantics as the reference ``autodeploy::paged_attention`` (cache write, then
+causal paged attention; ``query_lens`` is implied by ``cu_seqlens``). The kernels live in
+``autodeploy.kernels.paged_attention`` and are imported on first call. The op never synchronises
+with the host, so it can run inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_backends import AttentionBackend, triton_runs_on
+
+
+@torch.library.custom_op("autodeploy::paged_attention_triton", mutates_args=("kv_cache",))
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from ..kernels.paged_attention import paged_attention_fwd
+
+    return paged_attention_fwd(
+        q, k, v, kv_cache, cu_seqlens, context_lens, block_table, slot_mapping,
+        scale, sliding_window, logit_softcap, sinks,
+    )
+
+
+@paged_attention_triton.register_fake
+def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
+      sliding_window=None, logit_softcap=None, sinks=None):
+    return torch.empty_like(q)
+
+
+TRITON_BACKEND = AttentionBackend(
+    "triton", torch.ops.autodeploy.paged_attention_triton.default, capturable=True, availability=triton_runs_on
+)

@@ -1,0 +1,146 @@
+"""Compile every Triton kernel of autodeploy for sm_90 (H100/H200) on a machine without a GPU.
+
+Catches what the CPU interpreter cannot: GPU-only compile errors (types of loop-carried values,
+unsupported ops) and register spills, and shows what the compiler made of each variant: registers,
+spill stack, shared memory, and whether the tensor cores (mma / wgmma) and asynchronous copies
+(cp.async) are used. Arguments are specialised like the JIT does at run time: pointers and strides
+divisible by 16. Needs only torch + triton (the wheel ships ptxas and cuobjdump).
+
+    python bench/compile_sm90.py    # prints one table; exit status 1 if a variant fails or spills
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
+ROOT = Path(__file__).resolve().parents[1]
+if "autodeploy" not in sys.modules:  # the kernels without autodeploy/__init__ (which needs transformers)
+    _pkg = types.ModuleType("autodeploy")
+    _pkg.__path__ = [str(ROOT / "autodeploy")]
+    sys.modules["autodeploy"] = _pkg
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from autodeploy.kernels import activation, kv_cache_write, norm, paged_attention, rope  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+FLOAT_ARGS = {"scale", "softcap", "eps"}
+DIVISIBLE_INTS = {"n_cols"}  # hidden / intermediate sizes: multiples of 16 in every real model
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
+            if name.startswith("stride") or name in DIVISIBLE_INTS:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes: spills) from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        out = subprocess.run([str(CUOBJDUMP), "-res-usage", handle.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
+
+
+def _instructions(ptx: str) -> str:
+    kinds = [("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("cp.async", r"cp\.async\.c[ag]"),
+             ("ld.v4", r"ld\.global\S*\.v4"), ("st.v4", r"st\.global\S*\.v4")]
+    return " ".join(name for name, pattern in kinds if re.search(pattern, ptx))
+
+
+def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2) -> tuple[str, bool]:
+    """One table row, and whether the variant compiled without spilling registers."""
+    sig, attrs = _signature(kernel, pointers, constexprs)
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs), target=TARGET,
+                                  options={"num_warps": warps, "num_stages": stages})
+    except Exception as exc:  # report every failing variant, not only the first
+        return f"{name:<44} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", False
+    seconds = time.perf_counter() - start
+    regs, spill = _resources(compiled.asm["cubin"])
+    row = (f"{name:<44} {regs:>4} {spill:>6} {compiled.metadata.shared:>8} "
+           f"{warps:>3}/{stages:<2} {seconds:5.1f}s  {_instructions(compiled.asm['ptx'])}")
+    return row, spill == 0
+
+
+def _attention(dtype="bf16", **overrides):
+    pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "cache_ptr", "sinks_ptr")}
+    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
+    pointers.update({n: "*i64" for n in ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr")})
+    const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_Q=4, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=4,
+                 HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False,
+                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    const.update(overrides)
+    return paged_attention._paged_attention_kernel, pointers, const
+
+
+def variants():
+    """(name, kernel, pointer types, constexprs, warps, stages) of the variants the runtime uses."""
+    bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
+    yield ("attn decode gqa4 d128 (split 4)", *_attention(), 4, 2)
+    yield ("attn decode gqa4 d128 (no split)", *_attention(NUM_SPLITS=1), 4, 2)
+    yield ("attn decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16), 4, 2)
+    yield ("attn prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, NUM_SPLITS=1), 8, 2)
+    yield ("attn prefill gqa3 d64 window+softcap+sinks", *_attention(GROUP=3, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64,
+           BLOCK_Q=32, NUM_SPLITS=1, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True), 8, 2)
+    yield ("attn prefill mha d256 (BLOCK_M 64)", *_attention(GROUP=1, GROUP_PAD=1, HEAD_DIM=256, BLOCK_D=256,
+           BLOCK_Q=64, BLOCK_N=32, NUM_SPLITS=1), 8, 2)
+    yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 2)
+    yield ("attn decode fp32 d64", *_attention("fp32", HEAD_DIM=64, BLOCK_D=64), 4, 2)
+    combine_ptrs = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cu_seqlens_ptr": "*i64"}
+    yield ("attn combine (32 splits)", paged_attention._combine_kernel, combine_ptrs,
+           dict(NUM_SPLITS=32, SPLITS_PAD=32, HEAD_DIM=128, BLOCK_D=128), 4, 1)
+    write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
+    yield ("kv cache write (8 heads x 128)", kv_cache_write._write_kv_kernel, write_ptrs,
+           dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096), 4, 1)
+    norm_ptrs = bf16_ptrs("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")
+    yield ("rms_norm 4096", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=False), 8, 1)
+    yield ("add + rms_norm 4096", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=True), 8, 1)
+    act_ptrs = bf16_ptrs("gate_ptr", "up_ptr", "out_ptr")
+    for act, ident in activation.ACTIVATION_IDS.items():
+        yield (f"act_mul {act}", activation._act_mul_kernel, act_ptrs, dict(ACTIVATION=ident, BLOCK=1024), 4, 1)
+    rope_ptrs = bf16_ptrs("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")
+    rope_const = dict(HEAD_DIM=128, ROT_DIM=128, BLOCK_ROWS=16, BLOCK_D=128)
+    for interleaved in (False, True):
+        yield (f"rope d128 {'interleaved' if interleaved else 'half'}", rope._rope_kernel, rope_ptrs,
+               dict(rope_const, INTERLEAVED=interleaved), 4, 1)
+    qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
+    yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, target sm_90")
+    print(f"{'variant':<44} {'regs':>4} {'spill':>6} {'smem B':>8} w/st  compile  instructions")
+    ok = True
+    for name, kernel, pointers, constexprs, warps, stages in variants():
+        row, good = compile_variant(name, kernel, pointers, constexprs, warps, stages)
+        ok &= good
+        print(row, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""GPU check and benchmark of autodeploy's Triton kernels (written for one H200; needs torch + triton).
+
+Every kernel is first checked against its torch reference on fresh random bf16 inputs
+(||out - ref|| / ||ref||; bf16 passes below 1e-2), then timed:
+
+- ``graph us``: median replay time of a CUDA graph that calls the kernel on K rotating input sets
+  (K sized so the sets exceed 4x the L2 cache where memory allows), divided by K: the time the
+  kernel costs inside the engine's decode graph, without launch overhead or L2 reuse;
+- ``eager us``: ``triton.testing.do_bench`` median of one eager call (host launch cost included);
+- ``torch us``: the reference in the same CUDA-graph harness (small ops only);
+- ``TB/s`` and ``%copy``: bytes that must move (inputs read once, outputs written once) / graph
+  time, against the measured 4.18 TB/s copy bandwidth; ``TFLOP/s`` for prefill attention.
+
+Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at
+batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
+cached tokens. Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us,
+prefill 4 x 1024 413 TFLOP/s.
+
+    python bench/kernels_gpu.py                # < 3 minutes; exit 1 if any check fails
+    python bench/kernels_gpu.py --sweep        # + decode launch-config sweep
+    python bench/kernels_gpu.py --flashinfer   # + FlashInfer backend rows (JIT-compiles, minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if "autodeploy" not in sys.modules:  # kernels and reference ops without autodeploy/__init__ (transformers)
+    _pkg = types.ModuleType("autodeploy")
+    _pkg.__path__ = [str(ROOT / "autodeploy")]
+    sys.modules["autodeploy"] = _pkg
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
+from autodeploy.kernels.activation import act_mul  # noqa: E402
+from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
+from autodeploy.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
+from autodeploy.kernels.rope import rope, rope_qk  # noqa: E402
+from autodeploy.ops.mlp import ACTIVATIONS  # noqa: E402
+from autodeploy.ops.norm import rms_norm_reference  # noqa: E402
+from autodeploy.ops.rope import rope_reference  # noqa: E402
+
+COPY_TBPS = 4.18
+BF16_TOL = 1e-2
+HQ, HKV, D, PAGE, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Row:
+    name: str
+    err: float | None = None
+    graph_us: float | None = None
+    eager_us: float | None = None
+    torch_us: float | None = None
+    bytes: float = 0.0
+    flops: float = 0.0
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.err is None or (math.isfinite(self.err) and self.err < BF16_TOL)
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(f"  done: {row.name}", flush=True)
+
+    def table(self) -> str:
+        fmt = lambda v, spec: "-" if v is None or v == 0 else format(v, spec)  # noqa: E731
+        head = (f"{'case':<40}{'check':>13}{'graph us':>10}{'eager us':>10}{'torch us':>10}{'MB':>9}"
+                f"{'TB/s':>7}{'%copy':>7}{'TFLOP/s':>9}  note")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            check = "-" if r.err is None else f"{r.err:.1e} {'ok' if r.ok else 'FAIL'}"
+            tbps = r.bytes / (r.graph_us * 1e-6) / 1e12 if r.graph_us and r.bytes else None
+            tflops = r.flops / (r.graph_us * 1e-6) / 1e12 if r.graph_us and r.flops else None
+            lines.append(
+                f"{r.name:<40}{check:>13}{fmt(r.graph_us, '.1f'):>10}{fmt(r.eager_us, '.1f'):>10}"
+                f"{fmt(r.torch_us, '.1f'):>10}{fmt(r.bytes / 1e6, '.2f'):>9}{fmt(tbps, '.2f'):>7}"
+                f"{fmt(tbps and 100 * tbps / COPY_TBPS, '.0f'):>7}{fmt(tflops, '.0f'):>9}  {r.note}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def sets_for(bytes_per_call: float, cap: int = 64) -> int:
+    """Input sets to rotate through so that one graph replay streams more than 4x the L2 cache."""
+    l2 = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 50 << 20)
+    return max(1, min(cap, math.ceil(4 * l2 / max(bytes_per_call, 1))))
+
+
+def graph_us(calls: list, reps: int = 30) -> float:
+    """Median time per call of a CUDA graph running every callable of ``calls`` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def eager_us(call) -> float:
+    return triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def timed(row: Row, make_call, make_ref, bytes_per_call: float, time_torch: bool = True) -> Row:
+    """Time ``make_call(i)`` (i-th input set) in the graph and eagerly; the reference likewise."""
+    count = sets_for(bytes_per_call)
+    calls = [make_call(i) for i in range(count)]
+    row.graph_us = graph_us(calls)
+    row.eager_us = eager_us(calls[0])
+    if time_torch and make_ref is not None:
+        row.torch_us = graph_us([make_ref(i) for i in range(count)])
+    row.bytes = bytes_per_call
+    return row
+
+
+# ----------------------------------------------------------------------------- small kernels
+
+
+def bench_norms(report: Report) -> None:
+    for tokens in (1, 256, 8192):
+        x = [torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16) for _ in range(sets_for(4 * tokens * HIDDEN))]
+        res = [torch.randn_like(t) for t in x]
+        w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
+        row = Row(f"rms_norm T={tokens} H={HIDDEN}", rel_err(rms_norm(x[0], w, 1e-5), rms_norm_reference(x[0], w, 1e-5)))
+        report.add(timed(row, lambda i: lambda: rms_norm(x[i], w, 1e-5),
+                         lambda i: lambda: rms_norm_reference(x[i], w, 1e-5), 2 * 2 * tokens * HIDDEN))
+        normed, summed = add_rms_norm(x[0], res[0], w, 1e-5)
+        want_sum = x[0] + res[0]
+        err = max(rel_err(summed, want_sum), rel_err(normed, rms_norm_reference(want_sum, w, 1e-5)))
+        ref = lambda i: lambda: rms_norm_reference(x[i] + res[i], w, 1e-5)  # noqa: E731
+        report.add(timed(Row(f"add+rms_norm T={tokens} H={HIDDEN}", err),
+                         lambda i: lambda: add_rms_norm(x[i], res[i], w, 1e-5), ref, 4 * 2 * tokens * HIDDEN))
+
+
+def bench_act_mul(report: Report) -> None:
+    for tokens in (1, 256, 8192):
+        fused = [torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16) for _ in range(sets_for(6 * tokens * INTER))]
+        halves = [t.chunk(2, dim=-1) for t in fused]
+        ref = lambda i: lambda: ACTIVATIONS["silu"](halves[i][0]) * halves[i][1]  # noqa: E731
+        err = rel_err(act_mul(*halves[0]), ref(0)())
+        report.add(timed(Row(f"silu*mul T={tokens} I={INTER}", err),
+                         lambda i: lambda: act_mul(*halves[i]), ref, 3 * 2 * tokens * INTER))
+
+
+def bench_rope(report: Report) -> None:
+    for tokens in (1, 256, 8192):
+        count = sets_for(4 * tokens * HQ * D)
+        # q as the fused-qkv graph produces it: a [1, T, 32, 128] slice of [1, T, 6144], transposed
+        qkv = [torch.randn(1, tokens, (HQ + 2 * HKV) * D, device=DEV, dtype=BF16) for _ in range(count)]
+        q = [t[..., : HQ * D].view(1, tokens, HQ, D).transpose(1, 2) for t in qkv]
+        cos = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
+        sin = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
+        k = [t[..., HQ * D: (HQ + HKV) * D].view(1, tokens, HKV, D).transpose(1, 2) for t in qkv]
+        ref = lambda i: lambda: rope_reference(q[i], cos, sin, False)  # noqa: E731
+        err = rel_err(rope(q[0], cos, sin), ref(0)())
+        report.add(timed(Row(f"rope q T={tokens} 32x128", err), lambda i: lambda: rope(q[i], cos, sin), ref,
+                         2 * (2 * tokens * HQ * D + 2 * tokens * D)))
+        ref_qk = lambda i: lambda: (rope_reference(q[i], cos, sin, False), rope_reference(k[i], cos, sin, False))  # noqa: E731
+        got_q, got_k = rope_qk(q[0], k[0], cos, sin)
+        want_q, want_k = ref_qk(0)()
+        report.add(timed(Row(f"rope_qk T={tokens} 32+8 heads", max(rel_err(got_q, want_q), rel_err(got_k, want_k))),
+                         lambda i: lambda: rope_qk(q[i], k[i], cos, sin), ref_qk,
+                         2 * (2 * tokens * (HQ + HKV) * D + 2 * tokens * D)))
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cache: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+
+    def triton(self, launch=None, **features):
+        return paged_attention_fwd(self.q, self.k, self.v, self.cache, self.cu_seqlens, self.context_lens,
+                                   self.block_table, self.slots, D ** -0.5, launch=launch, **features)
+
+    def reference(self, **features):
+        return torch.ops.autodeploy.paged_attention(
+            self.q, self.k, self.v, self.cache, self.query_lens, self.context_lens, self.cu_seqlens,
+            self.block_table, self.slots, D ** -0.5, features.get("sliding_window"),
+            features.get("logit_softcap"), features.get("sinks"))
+
+
+def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0) -> PagedBatch:
+    """Sequences of (context_len, query_len) on shuffled pages of a random bf16 cache."""
+    pages = [-(-(c + n) // PAGE) for c, n in seqs]
+    order = torch.randperm(sum(pages) + 1, device=DEV)
+    table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=DEV)
+    slots, used = [], 0
+    for b, ((ctx, n), count) in enumerate(zip(seqs, pages)):
+        table[b, :count] = order[used: used + count]
+        used += count
+        pos = torch.arange(ctx, ctx + n, device=DEV)
+        slots.append(table[b, pos // PAGE] * PAGE + pos % PAGE)
+    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=DEV))
+    query_lens = torch.tensor([n for _, n in seqs], device=DEV)
+    tokens = int(query_lens.sum()) + pad_tokens
+    rand = lambda *shape: torch.randn(*shape, device=DEV, dtype=BF16)  # noqa: E731
+    return PagedBatch(
+        rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim),
+        rand(sum(pages) + 1, 2, PAGE, kv_heads, head_dim), query_lens,
+        torch.tensor([c for c, _ in seqs], device=DEV), torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)),
+        table, torch.cat(slots))
+
+
+def attention_cost(seqs: list[tuple[int, int]]) -> tuple[float, float]:
+    """(bytes, flops) of causal paged attention: the visible K/V read once, q/out/new k,v once."""
+    kv = sum(c + n for c, n in seqs) * HKV * D * 2 * 2
+    tokens = sum(n for _, n in seqs)
+    io = tokens * (2 * HQ + 2 * HKV) * D * 2
+    flops = sum(4 * HQ * D * (n * c + n * (n + 1) / 2) for c, n in seqs)
+    return kv + io, flops
+
+
+def bench_attention(report: Report, flashinfer: bool) -> None:
+    cases = [(f"decode b={b} ctx={c}", [(c - 1, 1)] * b) for c in (512, 4096) for b in (1, 8, 64, 256)]
+    cases += [("prefill 4x1024", [(0, 1024)] * 4), ("chunked prefill 4x1024 on 1024", [(1024, 1024)] * 4)]
+    for name, seqs in cases:
+        nbytes, flops = attention_cost(seqs)
+        batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
+        first = batches[0]
+        err = rel_err(first.triton(), first.reference())
+        tokens, num_seqs = first.q.shape[0], len(seqs)
+        launch = AttentionLaunch.choose(tokens, num_seqs, HQ, HKV, D, first.block_table.shape[1] * PAGE, DEV)
+        row = Row(name, err, note=f"tile {launch.block_m}x{launch.block_n}, splits {launch.num_splits}")
+        row = timed(row, lambda i: batches[i].triton, None, nbytes)
+        row.flops = flops if "prefill" in name else 0.0
+        if flashinfer:
+            try:
+                row.note += f"; flashinfer {flashinfer_us(first):.1f} us eager"
+            except Exception as exc:  # optional comparison: report, keep benchmarking
+                row.note += f"; flashinfer failed: {type(exc).__name__}: {str(exc)[:80]}"
+        report.add(row)
+        del batches
+
+
+def flashinfer_us(batch: PagedBatch) -> float:
+    from autodeploy.kernels.flashinfer_paged import flashinfer_paged_attention
+
+    call = lambda: flashinfer_paged_attention(  # noqa: E731
+        batch.q, batch.k, batch.v, batch.cache, batch.query_lens, batch.context_lens, batch.cu_seqlens,
+        batch.block_table, batch.slots, D ** -0.5, None, None)
+    err = rel_err(call(), batch.reference())
+    if not err < BF16_TOL:
+        raise RuntimeError(f"flashinfer backend disagrees with the reference: rel err {err:.2e}")
+    return eager_us(call)
+
+
+def check_attention_features(report: Report) -> None:
+    """Correctness only: mixed steps with every feature, GQA/MQA/MHA, padding and empty sequences."""
+    mixed = [(37, 5), (0, 70), (300, 1), (0, 0), (129, 1), (16, 33)]
+    sinks = torch.randn(HQ, device=DEV)
+    for name, heads, kv_heads, head_dim, feats in [
+        ("gqa4 d128", HQ, HKV, D, {}),
+        ("gqa4 window64 softcap30 sinks", HQ, HKV, D,
+         dict(sliding_window=64, logit_softcap=30.0, sinks=sinks)),
+        ("mqa d64", 8, 1, 64, {}),
+        ("mha d256", 4, 4, 256, {}),
+    ]:
+        batch = paged_batch(mixed, heads, kv_heads, head_dim, pad_tokens=5)
+        got = batch.triton(**feats)
+        err = rel_err(got, batch.reference(**feats))
+        if got[-5:].abs().max() != 0:
+            err = float("inf")  # padding rows must be zeros
+        for splits in (3, 16):  # flash-decoding path regardless of the shape heuristic
+            forced = batch.triton(AttentionLaunch(16, 32, splits), **feats)
+            err = max(err, rel_err(forced, batch.reference(**feats)))
+        report.add(Row(f"check mixed {name}", err, note="mixed step, padding; default launch + 3/16 splits"))
+
+
+def sweep_decode(report: Report) -> None:
+    """Decode launch configurations and split counts, to tune AttentionLaunch.choose with measurements."""
+    for b, c in ((1, 4096), (8, 4096), (64, 512), (64, 4096)):
+        seqs = [(c - 1, 1)] * b
+        nbytes, _ = attention_cost(seqs)
+        batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
+        base = AttentionLaunch.choose(b, b, HQ, HKV, D, c, DEV)
+        configs = [AttentionLaunch(16, n, base.num_splits, w, st)
+                   for n in (16, 32, 64, 128) for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))]
+        configs += [AttentionLaunch(16, base.block_n, sp, base.num_warps, base.num_stages)
+                    for sp in (1, 2, 4, 8, 16, 32) if sp != base.num_splits]
+        for launch in configs:
+            err = rel_err(batches[0].triton(launch), batches[0].reference())
+            row = Row(f"sweep b={b} ctx={c} n={launch.block_n} w={launch.num_warps} s={launch.num_stages}", err,
+                      note=f"splits {launch.num_splits} (default {base.block_n}/{base.num_warps}/"
+                           f"{base.num_stages}, {base.num_splits} splits)")
+            report.add(timed(row, lambda i: lambda: batches[i].triton(launch), None, nbytes))
+        del batches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
+    parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(DEV)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    report = Report()
+    bench_norms(report)
+    bench_act_mul(report)
+    bench_rope(report)
+    check_attention_features(report)
+    bench_attention(report, args.flashinfer)
+    if args.sweep:
+        sweep_decode(report)
+    print(report.table())
+    failed = [r.name for r in report.rows if not r.ok]
+    print(f"checks: {len(report.rows) - len(failed)} ok, {len(failed)} failed {failed if failed else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Golden test (rule of the house 4) on every available paged-attention backend:
+full-sequence dense attention == prefill then token-by-token decode == chunked prefill."""
+
+import pytest
+import torch
+
+from autodeploy.errors import ConfigError
+from autodeploy.ops.attention_backends import ATTENTION_BACKENDS, resolve_attention_backend
+from paged_batches import random_cache, run_schedule, shuffled_blocks
+
+PAGE, BLOCKS, SCALE = 4, 32, 0.35
+LENGTHS = [13, 6, 9]
+
+
+def _backends():
+    names = []
+    for name in ATTENTION_BACKENDS.names():
+        try:
+            resolve_attention_backend(name, torch.device("cpu"))
+            names.append(name)
+        except ConfigError:
+            continue
+    return names
+
+
+def _dense(q, k, v, window, softcap, sinks):
+    return torch.ops.autodeploy.attention(q[None], k[None], v[None], SCALE, True, window, softcap, sinks)[0]
+
+
+def _schedules():
+    prompt = [5, 2, 9]  # prefill these, then decode the rest one token per step (sequences staggered)
+    decode = [[(s, prompt[s]) for s in range(3)]]
+    left = [n - p for n, p in zip(LENGTHS, prompt)]
+    for i in range(max(left)):
+        decode.append([(s, 1) for s in range(3) if i < left[s]])
+    chunked = []
+    done = [0, 0, 0]
+    while any(d < n for d, n in zip(done, LENGTHS)):
+        step = [(s, min(4, LENGTHS[s] - done[s])) for s in range(3) if done[s] < LENGTHS[s]]
+        for s, n in step:
+            done[s] += n
+        chunked.append(step)
+    return {"full": [[(s, n) for s, n in enumerate(LENGTHS)]], "prefill+decode": decode, "chunked": chunked}
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_golden(backend, heads, kv_heads, dtype):
+    _golden(backend, heads, kv_heads, dtype, window=None, softcap=None, sinks=None)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_golden_window_softcap_sinks(backend):
+    sinks = torch.randn(4)
+    if "sinks" in ATTENTION_BACKENDS.get(backend).unsupported:
+        sinks = None
+    _golden(backend, 4, 2, torch.float32, window=4, softcap=3.0, sinks=sinks)
+
+
+def _golden(backend, heads, kv_heads, dtype, window, softcap, sinks):
+    op = ATTENTION_BACKENDS.get(backend).op
+    q, k, v = ([torch.randn(n, h, 16).to(dtype) for n in LENGTHS] for h in (heads, kv_heads, kv_heads))
+    want = [_dense(*x, window, softcap, sinks) for x in zip(q, k, v)]
+    blocks = shuffled_blocks(LENGTHS, PAGE, BLOCKS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for name, schedule in _schedules().items():
+        cache = random_cache(BLOCKS, PAGE, kv_heads, 16, dtype)
+        got = run_schedule(op, q, k, v, blocks, schedule, PAGE, cache, SCALE, window, softcap, sinks)
+        for s in range(len(LENGTHS)):
+            torch.testing.assert_close(got[s].float(), want[s].float(), atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_every_backend_has_the_reference_schema():
+    reference = torch.ops.autodeploy.paged_attention.default._schema
+    for name in ATTENTION_BACKENDS.names():
+        schema = ATTENTION_BACKENDS.get(name).op._schema
+        assert [(a.name, str(a.type)) for a in schema.arguments] == [(a.name, str(a.type)) for a in reference.arguments]
+        assert [str(r.type) for r in schema.returns] == [str(r.type) for r in reference.returns]
