@@ -47,23 +47,34 @@ def _example(masked: bool, repeat: bool) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _eager_pattern(repeat: bool, scaling: str | None, softcapped: bool, masked: bool):
+def _eager_pattern(repeat: bool, scaling: str | None, softcapped: bool, masked: bool, mask_first: bool):
     def pattern(q, k, v, attn_mask=None, scale=None, divisor=None, softcap=None):
         if repeat:
             k, v = torch.ops.autodeploy.repeat_kv(k, 2), torch.ops.autodeploy.repeat_kv(v, 2)
         scores = torch.matmul(q, k.transpose(2, 3))
+        if mask_first:  # CodeGen masks before scaling
+            scores = scores + attn_mask
         if scaling == "mul":
             scores = scores * scale
         elif scaling == "div":
             scores = scores / divisor
         if softcapped:
             scores = torch.tanh(scores / softcap) * softcap
-        if masked:
+        if masked and not mask_first:
             scores = scores + attn_mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
 
     return pattern
+
+
+def _eager_variants():
+    """(repeat, scaling, softcapped, masked, mask_first) of every eager spelling matched."""
+    for repeat, scaling, softcapped, masked in itertools.product([True, False], _SCALINGS, [True, False],
+                                                                 [True, False]):
+        yield repeat, scaling, softcapped, masked, False
+        if masked and scaling and not softcapped:
+            yield repeat, scaling, softcapped, masked, True
 
 
 class _AttentionRule(RewriteRule):
@@ -89,8 +100,7 @@ class MatchEagerAttention(_AttentionRule):
 
     def patterns(self) -> list[PatternSpec]:
         specs = []
-        for repeat, scaling, softcapped, masked in itertools.product([True, False], _SCALINGS, [True, False],
-                                                                     [True, False]):
+        for repeat, scaling, softcapped, masked, mask_first in _eager_variants():
             scalars = {}
             if scaling == "mul":
                 scalars["scale"] = SCALE
@@ -98,8 +108,9 @@ class MatchEagerAttention(_AttentionRule):
                 scalars["divisor"] = DIVISOR
             if softcapped:
                 scalars["softcap"] = SOFTCAP
-            name = f"eager(repeat={repeat},scale={scaling},softcap={softcapped},mask={masked})"
-            fn = _eager_pattern(repeat, scaling, softcapped, masked)
+            mask = "first" if mask_first else masked
+            name = f"eager(repeat={repeat},scale={scaling},softcap={softcapped},mask={mask})"
+            fn = _eager_pattern(repeat, scaling, softcapped, masked, mask_first)
             specs.append(PatternSpec(fn, _example(masked, repeat), scalars, _IGNORE_REPEATS, name))
         # most specific first: a pattern without the mask must not claim a masked attention's core
         return sorted(specs, key=lambda s: -(len(s.example_inputs) + len(s.scalars)))

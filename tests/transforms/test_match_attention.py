@@ -108,25 +108,30 @@ def test_eager_without_scale_multiply_gets_scale_one():
 
 
 class DividedScores(Attention):
-    """GPT-J (``scores / sqrt(d)``) and Falcon (``scores /= sqrt(d)``, in place) spellings."""
+    """GPT-J (``scores / sqrt(d)``), Falcon (``scores /= sqrt(d)``, in place) and CodeGen (mask added
+    before the division) spellings."""
 
-    def __init__(self, in_place: bool, **kwargs):
+    def __init__(self, spelling: str, **kwargs):
         super().__init__(**kwargs)
-        self.in_place = in_place
+        self.spelling = spelling
 
     def attend(self, q, k, v, mask):
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
-        if self.in_place:
+        if self.spelling == "in_place":
             scores /= math.sqrt(HEAD_DIM)
+        elif self.spelling == "mask_first":
+            scores = (scores + mask) / math.sqrt(HEAD_DIM)
         else:
             scores = scores / math.sqrt(HEAD_DIM)
-        probs = F.softmax(scores + mask, dim=-1).to(v.dtype)
+        if self.spelling != "mask_first":
+            scores = scores + mask
+        probs = F.softmax(scores, dim=-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["divide", "divide_in_place"])
-def test_eager_scores_divided_by_sqrt_head_dim(in_place):
-    flags = check_attention(DividedScores(in_place), MatchEagerAttention())
+@pytest.mark.parametrize("spelling", ["divide", "in_place", "mask_first"])
+def test_eager_scores_divided_by_sqrt_head_dim(spelling):
+    flags = check_attention(DividedScores(spelling), MatchEagerAttention())
     assert flags["scale"] == pytest.approx(1 / math.sqrt(HEAD_DIM)) and flags["causal"]
 
 
@@ -229,3 +234,18 @@ def test_canonicalize_attention_pass_fails_naming_itself_when_attention_remains(
     run = pass_runner("canonicalize_attention", rules=ATTENTION_RULES)
     with pytest.raises(PassError, match="pass 'canonicalize_attention' failed: .*not canonicalized.*softmax"):
         check_rewrite(BmmAttention(), _inputs(5), run, expected_matches=0)
+
+
+def test_alibi_attention_fails_the_pass_loudly():
+    class AlibiAttention(Attention):  # Bloom: scores = baddbmm(alibi, q, k^T); no canonical ALiBi yet
+        def attend(self, q, k, v, mask):
+            flat = [t.reshape(-1, t.shape[2], HEAD_DIM) for t in (q, k, v)]
+            slopes = torch.arange(1, self.heads + 1, dtype=q.dtype)[:, None, None] * -0.1
+            alibi = slopes * torch.arange(flat[1].shape[1], dtype=q.dtype)[None, None, :]
+            scores = torch.baddbmm(alibi, flat[0], flat[1].transpose(1, 2), beta=1.0, alpha=0.25)
+            probs = F.softmax(scores + mask[0], dim=-1)
+            return torch.bmm(probs, flat[2]).view(1, self.heads, -1, HEAD_DIM).transpose(1, 2)
+
+    run = pass_runner("canonicalize_attention", rules=ATTENTION_RULES)
+    with pytest.raises(PassError, match="pass 'canonicalize_attention' failed: .*not canonicalized"):
+        check_rewrite(AlibiAttention(), _inputs(5), run, expected_matches=0)
