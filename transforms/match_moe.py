@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autodeploy.graph.matcher import Match
+from autodeploy.graph.matcher import Match, schema_values
 from autodeploy.graph.rewrite import PatternSpec, RewriteRule
 
 aten = torch.ops.aten
@@ -57,8 +57,9 @@ def _example() -> dict[str, torch.Tensor]:
     }
 
 
-def _node_of(m: Match, target) -> torch.fx.Node:
-    return next(n for n in m.nodes if n.target == target)
+def _arguments(m: Match, target) -> dict:
+    """Schema arguments (name -> value) of the matched ``target`` node."""
+    return dict(schema_values(next(n for n in m.nodes if n.target == target)))
 
 
 class MatchMoE(RewriteRule):
@@ -73,11 +74,11 @@ class MatchMoE(RewriteRule):
     def check(self, m: Match, gm) -> str | None:
         top_k = m["topk_ids"].meta["val"].shape[-1]
         experts = m["w_gate_up"].meta["val"].shape[0]
-        repeat = _node_of(m, aten.repeat_interleave.self_int)
-        if repeat.args[1] != top_k:
-            return f"tokens repeated {repeat.args[1]} times for top-{top_k} routing"
-        clamp = _node_of(m, aten.clamp.default)
-        low, high = (clamp.args + (None, None))[1:3]
+        repeats = _arguments(m, aten.repeat_interleave.self_int)["repeats"]
+        if repeats != top_k:
+            return f"tokens repeated {repeats} times for top-{top_k} routing"
+        clamp = _arguments(m, aten.clamp.default)
+        low, high = clamp["min"], clamp["max"]
         if (low is not None and low > 0) or (high is not None and high < experts - 1):
             return f"expert ids clamped to [{low}, {high}], which cuts off some of the {experts} experts"
         summed = m.anchor.args[0].meta["val"].shape
