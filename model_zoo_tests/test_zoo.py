@@ -23,13 +23,14 @@ from .zoo import ZOO, ZooModel
 README = Path(__file__).with_name("README.md")
 STEPS = 16
 PROMPT_LENS = (5, 23, 12, 40)
+MAX_SEQ_LEN = max(PROMPT_LENS) + STEPS + 1
 
 
 def _param(model: ZooModel):
     marks = [pytest.mark.zoo]
     if model.xfail:
         marks.append(pytest.mark.xfail(reason=model.xfail, strict=True))
-    return pytest.param(model, id=model.model_type, marks=marks)
+    return pytest.param(model, id=model.name, marks=marks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +51,8 @@ def attention_windows(model) -> list[int | None]:
 @pytest.mark.parametrize("zoo_model", [_param(m) for m in ZOO])
 def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     model_dir = make_tiny_checkpoint(zoo_model.model_type, tmp_path / zoo_model.model_type)
-    compiled = compile_model(model_dir, dtype="float32", device="cpu", max_seq_len=max(PROMPT_LENS) + STEPS + 1)
+    compiled = compile_model(model_dir, dtype="float32", device="cpu", max_seq_len=MAX_SEQ_LEN,
+                             attn_implementation=zoo_model.attn_implementation)
     layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
     assert counts.get("paged_attention") == layers, f"attention layers not all canonicalized: {counts}"
@@ -62,10 +64,10 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
 
 
 def test_readme_lists_every_architecture_with_its_status():
-    rows = dict(re.findall(r"^\| `([\w]+)` \| (\w+) \|", README.read_text(), flags=re.M))
-    assert set(rows) == {m.model_type for m in ZOO}
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| (\w+) \|", README.read_text(), flags=re.M))
+    assert set(rows) == {m.name for m in ZOO}
     for model in ZOO:
-        assert rows[model.model_type] == ("xfail" if model.xfail else "passes"), model.model_type
+        assert rows[model.name] == ("xfail" if model.xfail else "passes"), model.name
 
 
 def test_every_zoo_architecture_has_tiny_sizes():

@@ -1,7 +1,8 @@
 """The model zoo: HF architectures the compiler must handle with zero per-model code.
 
 Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TINY_OVERRIDES``) with
-random weights. ``windows`` is the sliding window each attention layer must end up with (None: full
+random weights, exported with HF's eager attention code unless ``attn_implementation`` says
+otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
 causal attention); ``xfail`` holds the real reason when an architecture cannot pass yet (the README
 lists the same reasons).
 """
@@ -22,6 +23,12 @@ class ZooModel:
     windows: tuple[int | None, ...] = FULL
     moe_layers: int = 0
     xfail: str | None = None
+    attn_implementation: str = "eager"  # the HF attention code that is exported
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.attn_implementation == "eager" else f"-{self.attn_implementation}"
+        return self.model_type + suffix
 
 
 ZOO: tuple[ZooModel, ...] = (
@@ -58,5 +65,9 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("olmoe", "MoE without top-k renormalization, q/k norms", moe_layers=2),
     ZooModel("granitemoe", "MoE with Granite multipliers", moe_layers=2),
     ZooModel("phimoe", "MoE with sparsemixer routing", moe_layers=2),
+    ZooModel("mistral", "HF SDPA attention code, sliding window as a boolean mask", windows=(8, 8),
+             attn_implementation="sdpa"),
+    ZooModel("gemma3_text", "HF SDPA attention code, sliding + full layer", windows=(8, None),
+             attn_implementation="sdpa"),
     ZooModel("bloom", "ALiBi position bias", xfail=ALIBI),
 )
