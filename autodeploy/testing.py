@@ -1,8 +1,9 @@
 """The shared rewrite-test helper (rule of the house 3): every rule and pass is tested with it.
 
 ``check_rewrite`` exports a tiny eager module the way the compiler exports models, applies a rule
-(or any graph function), and checks the exact match count, that the graph is still valid, and that
-the rewritten graph equals eager on the example inputs *and* on a second, differently shaped input.
+(or any graph function, e.g. :func:`pass_runner` for a whole pass), and checks the exact match
+count, that the graph is still valid, and that the rewritten graph equals eager on the example
+inputs *and* on a second, differently shaped input.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import fx
 from . import ops  # noqa: F401  (registers the canonical ops)
 from .graph.cleanup import cleanup_graph
 from .graph.rewrite import RewriteRule, RuleResult, apply_rule
+from .pipeline import PASSES, CompileContext, PipelineEntry, run_pipeline
 
 
 @dataclass
@@ -28,10 +30,13 @@ class RewriteCheck:
 
 
 def export_for_test(module: torch.nn.Module, inputs: tuple, dynamic: dict[int, int] | None = None) -> fx.GraphModule:
-    """Export ``module`` like the compiler does; ``dynamic`` maps input index -> dynamic dim."""
+    """Export ``module`` like the compiler does; ``dynamic`` maps input index -> dynamic dim.
+
+    All dynamic dims are one symbol, the token count (as ``input_ids`` and ``position_ids`` are in
+    the compiler's export)."""
     dynamic = dynamic or {}
-    shapes = tuple({dynamic[i]: torch.export.Dim(f"d{i}", min=1, max=4096)} if i in dynamic else None
-                   for i in range(len(inputs)))
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    shapes = tuple({dynamic[i]: tokens} if i in dynamic else None for i in range(len(inputs)))
     with torch.no_grad():
         program = torch.export.export(module.eval(), inputs, dynamic_shapes=shapes, strict=False)
     gm = program.module()
@@ -61,3 +66,23 @@ def check_rewrite(
             want, got = module(*args), gm(*args)
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     return RewriteCheck(gm, result)
+
+
+def pass_runner(name: str, **settings) -> Callable[[fx.GraphModule], RuleResult]:
+    """A graph function for ``check_rewrite`` that runs the registered pass ``name`` (configured
+    with ``settings``) the way the pipeline runner does, so a failing pass raises ``PassError``."""
+    import importlib
+
+    from .config import CompileConfig
+
+    importlib.import_module("autodeploy.passes")  # registers the in-tree passes
+    cls = PASSES.get(name)
+    entry = PipelineEntry(name, cls, cls.Config(**settings))
+
+    def run(gm: fx.GraphModule) -> RuleResult:
+        ctx = CompileContext(gm=gm, hf_config=None, config=CompileConfig(), device=torch.device("cpu"),
+                             dtype=torch.float32)
+        (record,) = run_pipeline(ctx, [entry])
+        return RuleResult(matches=record.matches)
+
+    return run

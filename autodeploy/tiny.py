@@ -20,11 +20,58 @@ BASE = {
     "num_key_value_heads": 2,
     "vocab_size": 256,
     "max_position_embeddings": 512,
+    # special tokens inside the tiny vocabulary (defaults of some configs point past it)
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 # model_type -> config fields on top of BASE (names as the HF config class spells them)
+# Head dims are pinned to hidden / heads = 16 where the config has its own default; sliding windows
+# are small (8) so that the canary's prompts (up to 40 tokens + 16 steps) cross them.
+_SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"]}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": {},
+    "mistral": {"head_dim": 16, "sliding_window": 8},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 8, **_SLIDING_THEN_FULL,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 8, **_SLIDING_THEN_FULL},
+    "phi3": {},
+    "gpt_neox": {},  # partial rotary (25% of the head), parallel residual
+    "gpt2": {},  # learned positions
+    "olmo2": {},
+    "starcoder2": {},
+    "granite": {"embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
+                "logits_scaling": 2.0},
+    "mixtral": {**_MOE},
+    "qwen3_moe": {**_MOE, "head_dim": 16, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "qwen2_moe": {**_MOE, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    "cohere": {},  # interleaved rotary, parallel attention + MLP
+    "phi": {},  # partial rotary (50%), LayerNorm, plain GELU MLP
+    "olmo": {},  # LayerNorm without parameters
+    "stablelm": {},  # partial rotary (25%)
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
+    "gptj": {"rotary_dim": 8},  # interleaved partial rotary
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
+    "gpt_bigcode": {"multi_query": True},
+    "codegen": {"rotary_dim": 8, "n_ctx": 512},
+    "nemotron": {"head_dim": 16},
+    "persimmon": {},
+    "olmoe": {**_MOE},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "glm": {"head_dim": 16},
+    "helium": {"head_dim": 16},
+    "cohere2": {"head_dim": 16, "sliding_window": 8, **_SLIDING_THEN_FULL},
+    "smollm3": {},
+    "exaone4": {"head_dim": 16},
+    "olmo3": {"sliding_window": 8, **_SLIDING_THEN_FULL},
+    "ministral": {"head_dim": 16, "sliding_window": 8, **_SLIDING_THEN_FULL},
+    "bloom": {},  # ALiBi: not supported yet (see model_zoo_tests/README.md)
 }
 
 

@@ -71,7 +71,7 @@ def _is_attention_softmax(node: fx.Node) -> bool:
         if not isinstance(cur, fx.Node) or cur in seen or cur.op != "call_function":
             continue
         seen.add(cur)
-        if cur.target in (aten.matmul.default, aten.bmm.default, aten.einsum.default):
+        if cur.target in (aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default):
             return True
         if cur.target in (aten.linear.default, aten.mm.default, aten.addmm.default):
             continue

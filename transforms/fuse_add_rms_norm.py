@@ -99,11 +99,29 @@ def fuse_add_rms_norm(gm: fx.GraphModule) -> RuleResult:
 
 
 def _move_before_users(graph: fx.Graph, add: fx.Node, nodes: list[fx.Node]) -> None:
-    """Place the fused nodes right after the add, so every former user of the add comes later."""
+    """Place the fused nodes right after the add, so every former user of the add comes later.
+
+    Inputs of the fused op computed between the add and the norm (Gemma's ``1 + w`` norm weight)
+    move up with their own inputs; they never depend on the add, which only the norm reads.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = _late_ancestors(nodes[0], order, order[add])
     anchor = add
-    for node in nodes:
+    for node in late + nodes:
         anchor.append(node)
         anchor = node
+
+
+def _late_ancestors(node: fx.Node, order: dict[fx.Node, int], after: int) -> list[fx.Node]:
+    """Ancestors of ``node`` placed after position ``after``, in graph order."""
+    seen, stack = set(), [a for a in node.all_input_nodes]
+    while stack:
+        cur = stack.pop()
+        if cur in seen or order.get(cur, -1) <= after:
+            continue
+        seen.add(cur)
+        stack.extend(cur.all_input_nodes)
+    return sorted(seen, key=order.__getitem__)
 
 
 def fold_norm_input_casts(gm: fx.GraphModule) -> RuleResult:

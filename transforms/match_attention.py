@@ -1,7 +1,7 @@
 """match_eager_attention / match_sdpa_attention: attention -> ``autodeploy::attention``.
 
-Eager attention is matched in the spellings HF models use: ``softmax(q @ k^T * scale [softcapped]
-[+ mask]) @ v`` with or without ``repeat_kv`` on k/v. SDPA is matched as the op itself. The mask is
+Eager attention is matched in the spellings HF models use: ``softmax(q @ k^T [* scale | / divisor]
+[softcapped] [+ mask]) @ v`` with or without ``repeat_kv`` on k/v. SDPA is matched as the op itself. The mask is
 not matched structurally: it is evaluated and classified (causal / sliding window) by
 ``autodeploy.graph.mask``; the canonical op carries the result as flags.
 
@@ -24,7 +24,9 @@ from autodeploy.graph.rewrite import PatternSpec, RewriteRule
 
 aten = torch.ops.aten
 SCALE = 0.0123456  # sentinels the patterns are traced with
+DIVISOR = 81.0123
 SOFTCAP = 43.21
+_SCALINGS = (None, "mul", "div")  # scores not scaled, multiplied by a scale, divided by sqrt(d)
 _IGNORE_REPEATS = {torch.ops.autodeploy.repeat_kv.default: {"n_rep"}, aten.softmax.int: {"dtype"}}
 
 
@@ -45,21 +47,34 @@ def _example(masked: bool, repeat: bool) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _eager_pattern(repeat: bool, scaled: bool, softcapped: bool, masked: bool):
-    def pattern(q, k, v, attn_mask=None, scale=None, softcap=None):
+def _eager_pattern(repeat: bool, scaling: str | None, softcapped: bool, masked: bool, mask_first: bool):
+    def pattern(q, k, v, attn_mask=None, scale=None, divisor=None, softcap=None):
         if repeat:
             k, v = torch.ops.autodeploy.repeat_kv(k, 2), torch.ops.autodeploy.repeat_kv(v, 2)
         scores = torch.matmul(q, k.transpose(2, 3))
-        if scaled:
+        if mask_first:  # CodeGen masks before scaling
+            scores = scores + attn_mask
+        if scaling == "mul":
             scores = scores * scale
+        elif scaling == "div":
+            scores = scores / divisor
         if softcapped:
             scores = torch.tanh(scores / softcap) * softcap
-        if masked:
+        if masked and not mask_first:
             scores = scores + attn_mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
 
     return pattern
+
+
+def _eager_variants():
+    """(repeat, scaling, softcapped, masked, mask_first) of every eager spelling matched."""
+    for repeat, scaling, softcapped, masked in itertools.product([True, False], _SCALINGS, [True, False],
+                                                                 [True, False]):
+        yield repeat, scaling, softcapped, masked, False
+        if masked and scaling and not softcapped:
+            yield repeat, scaling, softcapped, masked, True
 
 
 class _AttentionRule(RewriteRule):
@@ -85,17 +100,27 @@ class MatchEagerAttention(_AttentionRule):
 
     def patterns(self) -> list[PatternSpec]:
         specs = []
-        for repeat, scaled, softcapped, masked in itertools.product([True, False], repeat=4):
+        for repeat, scaling, softcapped, masked, mask_first in _eager_variants():
             scalars = {}
-            if scaled:
+            if scaling == "mul":
                 scalars["scale"] = SCALE
+            if scaling == "div":
+                scalars["divisor"] = DIVISOR
             if softcapped:
                 scalars["softcap"] = SOFTCAP
-            name = f"eager(repeat={repeat},scale={scaled},softcap={softcapped},mask={masked})"
-            fn = _eager_pattern(repeat, scaled, softcapped, masked)
+            mask = "first" if mask_first else masked
+            name = f"eager(repeat={repeat},scale={scaling},softcap={softcapped},mask={mask})"
+            fn = _eager_pattern(repeat, scaling, softcapped, masked, mask_first)
             specs.append(PatternSpec(fn, _example(masked, repeat), scalars, _IGNORE_REPEATS, name))
         # most specific first: a pattern without the mask must not claim a masked attention's core
         return sorted(specs, key=lambda s: -(len(s.example_inputs) + len(s.scalars)))
+
+    def check(self, m: Match, gm) -> str | None:
+        for name in ("scale", "divisor", "softcap"):
+            value = m.bindings.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"{name} is computed at run time ({value}), not a constant"
+        return None
 
     def replacement_kwargs(self, m: Match, gm) -> dict:
         kind = self.mask_kind(m, gm)
@@ -103,11 +128,17 @@ class MatchEagerAttention(_AttentionRule):
             "q": m["q"],
             "k": m["k"],
             "v": m["v"],
-            "scale": float(m.bindings.get("scale", 1.0)),
+            "scale": _eager_scale(m),
             "causal": kind.causal if "attn_mask" in m.bindings else False,
             "sliding_window": kind.sliding_window,
             "logit_softcap": m.bindings.get("softcap"),
         }
+
+
+def _eager_scale(m: Match) -> float:
+    if "scale" in m.bindings:
+        return float(m["scale"])
+    return 1.0 / float(m["divisor"]) if "divisor" in m.bindings else 1.0
 
 
 def _sdpa_pattern(repeat: bool, masked: bool):

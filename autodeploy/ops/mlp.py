@@ -8,7 +8,9 @@ Triton kernel (``autodeploy.kernels.activation``) reading the GEMM outputs in pl
 
 ``moe(x[T, H], topk_ids[T, K], topk_weights[T, K], w_gate_up[E, 2I, H], w_down[E, H, I])``: each
 token goes through its K experts (a gated MLP whose gate and up rows are stacked in ``w_gate_up``,
-gate first) and the outputs are summed with the routing weights. Routing itself (router linear,
+gate first) and the outputs are summed with the routing weights. Precision follows transformers'
+``batched_mm`` experts: the expert GEMMs and the gating run in x's dtype, the routing-weighted sum
+accumulates in fp32, and the result is rounded to x's dtype once. Routing itself (router linear,
 softmax/top-k, renormalisation) stays in the graph as ordinary ops.
 """
 

@@ -63,3 +63,22 @@ def test_input_norm_cast_is_folded():
                           expected_matches=1, atol=0, rtol=0)
     (norm,) = [n for n in check.gm.graph.nodes if n.target == RMS]
     assert norm.meta["val"].dtype == torch.float16 and check.count(CAST) == 0
+
+
+class GemmaWeight(torch.nn.Module):
+    """The norm weight is computed (``1 + w``) between the residual add and the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x, attn_out):
+        h = x + attn_out
+        return torch.ops.autodeploy.rms_norm(h, 1.0 + self.w.float(), 1e-6) + h
+
+
+def test_weight_computed_after_the_add_moves_up_with_the_fused_op():
+    inputs = (torch.randn(1, 5, 16), torch.randn(1, 5, 16))
+    check = check_rewrite(GemmaWeight(), inputs, fuse_add_rms_norm, expected_matches=1,
+                          second_inputs=(torch.randn(1, 3, 16), torch.randn(1, 3, 16)), dynamic={0: 1, 1: 1})
+    assert check.count(FUSED) == 1

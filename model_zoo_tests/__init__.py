@@ -1,0 +1,1 @@
+"""End-to-end tests of the compiler on tiny random checkpoints of real HF architectures."""

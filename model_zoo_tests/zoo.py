@@ -1,0 +1,73 @@
+"""The model zoo: HF architectures the compiler must handle with zero per-model code.
+
+Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TINY_OVERRIDES``) with
+random weights, exported with HF's eager attention code unless ``attn_implementation`` says
+otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
+causal attention); ``xfail`` holds the real reason when an architecture cannot pass yet (the README
+lists the same reasons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FULL = (None, None)  # two layers of full causal attention
+ALIBI = ("ALiBi: the position bias is added to the scores by baddbmm; autodeploy::attention has no "
+         "ALiBi slopes yet, so canonicalize_attention stops with the softmax it cannot rewrite")
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    model_type: str
+    exercises: str
+    windows: tuple[int | None, ...] = FULL
+    moe_layers: int = 0
+    xfail: str | None = None
+    attn_implementation: str = "eager"  # the HF attention code that is exported
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.attn_implementation == "eager" else f"-{self.attn_implementation}"
+        return self.model_type + suffix
+
+
+ZOO: tuple[ZooModel, ...] = (
+    ZooModel("llama", "GQA, half-rotate RoPE, RMSNorm, SwiGLU"),
+    ZooModel("mistral", "sliding window 8 on every layer", windows=(8, 8)),
+    ZooModel("qwen2", "q/k/v bias"),
+    ZooModel("qwen3", "q/k RMSNorm over the head dim"),
+    ZooModel("gemma", "RMSNorm 1+w, GeGLU (tanh), scaled embeddings, tied head"),
+    ZooModel("gemma2", "attention + final logit softcap, query_pre_attn_scalar, sliding/full layers",
+             windows=(8, None)),
+    ZooModel("gemma3_text", "sliding/full layers with their own RoPE bases, q/k norms", windows=(8, None)),
+    ZooModel("phi3", "fused qkv and gate_up projections"),
+    ZooModel("gpt_neox", "partial rotary (25%), parallel residual, LayerNorm, GELU MLP"),
+    ZooModel("gpt2", "learned positions, Conv1D projections, no RoPE"),
+    ZooModel("olmo2", "q/k RMSNorm over the whole projection, norms after the sublayers"),
+    ZooModel("starcoder2", "LayerNorm with bias, GELU MLP with bias"),
+    ZooModel("granite", "embedding/attention/residual/logit multipliers"),
+    ZooModel("mixtral", "MoE: softmax top-2 routing, batched_mm experts", moe_layers=2),
+    ZooModel("qwen3_moe", "MoE with renormalized top-k, q/k norms", moe_layers=2),
+    ZooModel("qwen2_moe", "MoE plus a gated shared expert", moe_layers=2),
+    ZooModel("cohere", "interleaved RoPE, parallel attention + MLP, logit scale"),
+    ZooModel("phi", "partial rotary (50%), parallel attention + MLP"),
+    ZooModel("olmo", "LayerNorm without parameters"),
+    ZooModel("stablelm", "partial rotary (25%), LayerNorm"),
+    ZooModel("falcon", "fused qkv with broadcast kv heads, scores /= sqrt(d) in place"),
+    ZooModel("gptj", "interleaved partial rotary, scores / sqrt(d)"),
+    ZooModel("opt", "learned positions with offset, ReLU MLP"),
+    ZooModel("gpt_bigcode", "multi-query attention (one kv head), learned positions"),
+    ZooModel("codegen", "mask added before the scale division, interleaved partial rotary"),
+    ZooModel("nemotron", "squared-ReLU MLP, LayerNorm 1+w, partial rotary"),
+    ZooModel("cohere2", "sliding/full layers, RoPE only on sliding layers", windows=(8, None)),
+    ZooModel("olmo3", "sliding/full layers, q/k norms", windows=(8, None)),
+    ZooModel("ministral", "sliding/full layers", windows=(8, None)),
+    ZooModel("olmoe", "MoE without top-k renormalization, q/k norms", moe_layers=2),
+    ZooModel("granitemoe", "MoE with Granite multipliers", moe_layers=2),
+    ZooModel("phimoe", "MoE with sparsemixer routing", moe_layers=2),
+    ZooModel("mistral", "HF SDPA attention code, sliding window as a boolean mask", windows=(8, 8),
+             attn_implementation="sdpa"),
+    ZooModel("gemma3_text", "HF SDPA attention code, sliding + full layer", windows=(8, None),
+             attn_implementation="sdpa"),
+    ZooModel("bloom", "ALiBi position bias", xfail=ALIBI),
+)
