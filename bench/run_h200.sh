@@ -14,5 +14,7 @@ for s in "$@"; do
     decode_ad) section decode_ad 300 python3 bench/decode_bench.py --impls autodeploy --json "$OUT/decode_ad.json" ;;
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
+    profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64
+             section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac
 done
