@@ -81,7 +81,6 @@ class CudaGraphRunner:
         """Logits of a decode step; valid until the next replay of the same graph."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         captured = self.graphs[size]
-        BatchMetadata.build(chunks, self.pool.block_size, captured.buffers.device, pad=captured.pad,
-                            buffers=captured.buffers)
+        BatchMetadata.refill(chunks, self.pool.block_size, captured.pad, captured.buffers)
         captured.graph.replay()
         return captured.output[: len(chunks)]

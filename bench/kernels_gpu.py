@@ -271,7 +271,7 @@ def bench_attention(report: Report, flashinfer: bool) -> None:
         tokens, num_seqs = first.q.shape[0], len(seqs)
         launch = AttentionLaunch.choose(tokens, num_seqs, HQ, HKV, D, first.block_table.shape[1] * PAGE, DEV)
         row = Row(name, err, note=f"tile {launch.block_m}x{launch.block_n}, splits {launch.num_splits}")
-        row = timed(row, lambda i: batches[i].triton, None, nbytes)
+        row = timed(row, lambda i: batches[i % len(batches)].triton, None, nbytes)
         row.flops = flops if "prefill" in name else 0.0
         if flashinfer:
             try:

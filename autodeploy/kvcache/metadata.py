@@ -22,8 +22,10 @@ All integer tensors are int64, built in one pinned host buffer and copied to the
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
@@ -93,23 +95,15 @@ class BatchMetadata:
         ``pad`` grows the step to fixed sizes (CUDA graphs): padding tokens write no cache slot
         (-1) and padding sequences have no tokens. ``buffers`` reuses pinned host and device memory.
         """
-        if not chunks:
-            raise ValueError("a step needs at least one sequence")
-        shape = Padding.of(chunks) if pad is None else pad.covering(chunks)
-        values = _values(chunks, block_size, shape)
-        sizes = {name: len(v) for name, v in values.items()}
-        total = sum(sizes.values())
-        if buffers is None:
-            host = torch.tensor([x for v in values.values() for x in v], dtype=torch.int64)
-            dev = host.to(device)
-        else:
-            host, dev = buffers.stage(total)
-            host.copy_(torch.tensor([x for v in values.values() for x in v], dtype=torch.int64))
-            dev.copy_(host, non_blocking=True)
-            buffers.record()
+        dev, sizes, shape = _stage(chunks, block_size, device, pad, buffers)
         views = dict(zip(sizes, torch.split(dev, list(sizes.values()))))
         views["block_table"] = views["block_table"].view(shape.num_seqs, shape.max_blocks)
         return cls(**views)
+
+    @staticmethod
+    def refill(chunks: list[SequenceChunk], block_size: int, pad: "Padding", buffers: "StepBuffers") -> None:
+        """Write a step into ``buffers``' device memory (static tensors of a captured graph): no views."""
+        _stage(chunks, block_size, buffers.device, pad, buffers)
 
 
 @dataclass(frozen=True)
@@ -122,15 +116,14 @@ class Padding:
 
     @classmethod
     def of(cls, chunks: list[SequenceChunk]) -> "Padding":
-        return cls(sum(len(c.token_ids) for c in chunks), len(chunks), max(len(c.block_ids) for c in chunks))
+        return _Lengths(chunks).padding()
 
     @property
     def metadata_size(self) -> int:
         """Most int64 values a step of this shape needs (logits rows <= tokens)."""
         return 4 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
 
-    def covering(self, chunks: list[SequenceChunk]) -> "Padding":
-        need = Padding.of(chunks)
+    def covering(self, need: "Padding") -> "Padding":
         if need.num_tokens > self.num_tokens or need.num_seqs > self.num_seqs or need.max_blocks > self.max_blocks:
             raise ValueError(f"step {need} does not fit the padded shape {self}")
         return self
@@ -160,39 +153,138 @@ class StepBuffers:
             self.events[self.turn].record()
 
 
-def _logits_indices(chunks: list[SequenceChunk], cu: list[int]) -> list[int]:
-    """The last ``num_logits`` tokens of each chunk; a chunk without tokens (padding) gets row 0."""
-    rows = []
-    for chunk, end in zip(chunks, cu[1:]):
-        rows.extend(range(end - chunk.num_logits, end) if chunk.token_ids else [0])
-    return rows
+_DECODE_LIST_FILL_MAX = 64  # below this many sequences plain lists beat numpy's per-call overhead
 
 
-def _values(chunks: list[SequenceChunk], block_size: int, shape: Padding) -> dict[str, list[int]]:
-    ids, positions, slots, query_lens, context_lens, table = [], [], [], [], [], []
-    for chunk in chunks:
-        if chunk.end > len(chunk.block_ids) * block_size:
-            raise ValueError(f"sequence needs {chunk.end} slots but has {len(chunk.block_ids)} blocks")
-        if chunk.token_ids and not 1 <= chunk.num_logits <= len(chunk.token_ids):
-            raise ValueError(f"num_logits must be in [1, {len(chunk.token_ids)}], got {chunk.num_logits}")
-        ids.extend(chunk.token_ids)
-        pos = range(chunk.context_len, chunk.end)
-        positions.extend(pos)
-        slots.extend(chunk.block_ids[p // block_size] * block_size + p % block_size for p in pos)
-        query_lens.append(len(chunk.token_ids))
-        context_lens.append(chunk.context_len)
-        table.extend(list(chunk.block_ids) + [-1] * (shape.max_blocks - len(chunk.block_ids)))
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-    pad_tokens, pad_seqs = shape.num_tokens - len(ids), shape.num_seqs - len(chunks)
-    return {
-        "input_ids": ids + [0] * pad_tokens,
-        "position_ids": positions + [0] * pad_tokens,
-        "query_lens": query_lens + [0] * pad_seqs,
-        "context_lens": context_lens + [0] * pad_seqs,
-        "cu_seqlens": cu + [cu[-1]] * pad_seqs,
-        "block_table": table + [-1] * (pad_seqs * shape.max_blocks),
-        "slot_mapping": slots + [-1] * pad_tokens,
-        "logits_indices": _logits_indices(chunks, cu) + [0] * pad_seqs,
-    }
+def _stage(chunks, block_size, device, pad, buffers) -> tuple[torch.Tensor, dict[str, int], "Padding"]:
+    if not chunks:
+        raise ValueError("a step needs at least one sequence")
+    if buffers is not None and pad is not None and len(chunks) <= _DECODE_LIST_FILL_MAX and _decode_only(chunks):
+        return _stage_decode(chunks, block_size, pad, buffers)
+    lens = _Lengths(chunks)
+    shape = lens.padding() if pad is None else pad.covering(lens.padding())
+    sizes = _field_sizes(shape, lens.num_logits + shape.num_seqs - lens.num_seqs)
+    total = sum(sizes.values())
+    if buffers is None:
+        host = torch.empty(total, dtype=torch.int64)
+        _fill(host.numpy(), chunks, lens, block_size, shape)
+        return host.to(device), sizes, shape
+    host, dev = buffers.stage(total)
+    _fill(host.numpy(), chunks, lens, block_size, shape)
+    dev.copy_(host, non_blocking=True)
+    buffers.record()
+    return dev, sizes, shape
+
+
+class _Lengths:
+    """Per-chunk lengths as arrays (one pass over the chunks)."""
+
+    def __init__(self, chunks: list[SequenceChunk]):
+        n = len(chunks)
+        self.num_seqs = n
+        self.query = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
+        self.context = np.fromiter((c.context_len for c in chunks), np.int64, n)
+        self.blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int64, n)
+        wanted = np.fromiter((c.num_logits for c in chunks), np.int64, n)
+        bad = (self.query > 0) & ((wanted < 1) | (wanted > self.query))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"num_logits must be in [1, {self.query[i]}], got {wanted[i]}")
+        self.logits = np.where(self.query > 0, wanted, 1)  # a chunk without tokens (padding) gets row 0
+        self.num_tokens = int(self.query.sum())
+        self.num_logits = int(self.logits.sum())
+
+    def padding(self) -> "Padding":
+        return Padding(self.num_tokens, self.num_seqs, int(self.blocks.max()))
+
+
+def _field_sizes(shape: "Padding", num_logits: int) -> dict[str, int]:
+    t, s = shape.num_tokens, shape.num_seqs
+    return {"input_ids": t, "position_ids": t, "query_lens": s, "context_lens": s, "cu_seqlens": s + 1,
+            "block_table": s * shape.max_blocks, "slot_mapping": t, "logits_indices": num_logits}
+
+
+def _fill(out: np.ndarray, chunks: list[SequenceChunk], lens: _Lengths, block_size: int, shape: "Padding") -> None:
+    """Write every field, padded to ``shape``, into ``out`` (vectorized: no per-token Python)."""
+    n, t, m = lens.num_seqs, lens.num_tokens, shape.max_blocks
+    ends = lens.context + lens.query
+    if (ends > lens.blocks * block_size).any():
+        i = int(np.argmax(ends > lens.blocks * block_size))
+        raise ValueError(f"sequence needs {ends[i]} slots but has {lens.blocks[i]} blocks")
+    cu = np.zeros(shape.num_seqs + 1, np.int64)
+    np.cumsum(lens.query, out=cu[1 : n + 1])
+    cu[n + 1 :] = cu[n]
+    seq = np.repeat(np.arange(n), lens.query)
+    positions = lens.context[seq] + np.arange(t) - cu[seq]
+    table = np.full((shape.num_seqs, m), -1, np.int64)
+    table[:n][np.arange(m)[None, :] < lens.blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(c.block_ids for c in chunks), np.int64, int(lens.blocks.sum()))
+    fields = _Writer(out, shape.num_tokens)
+    fields.tokens(np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, t), 0)
+    fields.tokens(positions, 0)
+    fields.seqs(lens.query, shape.num_seqs, 0)
+    fields.seqs(lens.context, shape.num_seqs, 0)
+    fields.put(cu)
+    fields.put(table.reshape(-1))
+    fields.tokens(table[seq, positions // block_size] * block_size + positions % block_size, -1)
+    starts = np.where(lens.query > 0, cu[1 : n + 1] - lens.logits, 0)
+    offsets = np.arange(lens.num_logits) - np.repeat(np.cumsum(lens.logits) - lens.logits, lens.logits)
+    fields.seqs(np.repeat(starts, lens.logits) + offsets, lens.num_logits + shape.num_seqs - n, 0)
+
+
+def _decode_only(chunks: list[SequenceChunk]) -> bool:
+    return all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
+
+
+def _stage_decode(chunks, block_size, pad, buffers) -> tuple[torch.Tensor, dict[str, int], "Padding"]:
+    """The hot path of small CUDA-graph decode steps (one token per sequence), list-based."""
+    shape = pad.covering(Padding(len(chunks), len(chunks), max(len(c.block_ids) for c in chunks)))
+    sizes = _field_sizes(shape, shape.num_seqs)
+    host, dev = buffers.stage(sum(sizes.values()))
+    _fill_decode(host.numpy(), chunks, block_size, shape)
+    dev.copy_(host, non_blocking=True)
+    buffers.record()
+    return dev, sizes, shape
+
+
+def _fill_decode(out: np.ndarray, chunks: list[SequenceChunk], block_size: int, shape: "Padding") -> None:
+    n, s, m = len(chunks), shape.num_seqs, shape.max_blocks
+    ctx = [c.context_len for c in chunks]
+    for c, pos in zip(chunks, ctx):
+        if pos // block_size >= len(c.block_ids):
+            raise ValueError(f"sequence needs {pos + 1} slots but has {len(c.block_ids)} blocks")
+    table: list[int] = []
+    for c in chunks:
+        table.extend(c.block_ids)
+        table.extend([-1] * (m - len(c.block_ids)))
+    pad_t, pad_s = shape.num_tokens - n, s - n
+    values = (
+        [c.token_ids[0] for c in chunks] + [0] * pad_t
+        + ctx + [0] * pad_t
+        + [1] * n + [0] * pad_s
+        + ctx + [0] * pad_s
+        + list(range(n + 1)) + [n] * pad_s
+        + table + [-1] * (pad_s * m)
+        + [c.block_ids[p // block_size] * block_size + p % block_size for c, p in zip(chunks, ctx)] + [-1] * pad_t
+        + list(range(n)) + [0] * pad_s
+    )
+    out[: len(values)] = values
+
+
+class _Writer:
+    """Appends fields one after the other into a flat buffer, padding each to its size."""
+
+    def __init__(self, out: np.ndarray, num_tokens: int):
+        self.out, self.at, self.num_tokens = out, 0, num_tokens
+
+    def put(self, values: np.ndarray) -> None:
+        self.out[self.at : self.at + len(values)] = values
+        self.at += len(values)
+
+    def tokens(self, values: np.ndarray, fill: int) -> None:
+        self.seqs(values, self.num_tokens, fill)
+
+    def seqs(self, values: np.ndarray, size: int, fill: int) -> None:
+        self.out[self.at : self.at + len(values)] = values
+        self.out[self.at + len(values) : self.at + size] = fill
+        self.at += size

@@ -56,3 +56,18 @@ def test_padding_for_static_shapes_and_reused_buffers():
     assert b.query_lens.tolist() == [1, 0, 0, 0]
     with pytest.raises(ValueError, match="does not fit"):
         BatchMetadata.build(chunks * 3, block_size=4, device="cpu", pad=pad)
+
+
+def test_decode_fast_path_equals_the_general_fill():
+    """Small decode steps into reused buffers take a list-based path; it must write what numpy does."""
+    from autodeploy.kvcache.metadata import Padding, StepBuffers
+
+    chunks = [SequenceChunk((11 + i,), 2 * i + 3, tuple(range(3 * i, 3 * i + 3))) for i in range(5)]
+    pad = Padding(num_tokens=8, num_seqs=8, max_blocks=4)
+    fast = BatchMetadata.build(chunks, block_size=4, device="cpu", pad=pad, buffers=StepBuffers(pad.metadata_size, "cpu"))
+    general = BatchMetadata.build(chunks, block_size=4, device="cpu", pad=pad)
+    for name, value in general.as_kwargs().items():
+        assert torch.equal(fast.as_kwargs()[name], value), name
+    with pytest.raises(ValueError, match="needs 4 slots"):
+        BatchMetadata.build([SequenceChunk((1,), 3, (0,))], block_size=2, device="cpu", pad=pad,
+                            buffers=StepBuffers(pad.metadata_size, "cpu"))
