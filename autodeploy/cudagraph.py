@@ -61,7 +61,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm up: autotuning, lazy initialisation, allocator
+            for _ in range(1):  # warm up: kernel compilation, lazy initialisation, allocator
                 self.gm(**inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

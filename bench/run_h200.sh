@@ -8,12 +8,21 @@ export PYTHONPATH=/tmp/ad:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 section() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
+config_dir() { [ -d /tmp/cfg8b ] || python3 -c "import sys; sys.path.insert(0, 'bench'); from decode_bench import llama_config; llama_config('llama8b').save_pretrained('/tmp/cfg8b')"; }
 for s in "$@"; do
   case $s in
     smoke) section smoke 200 python3 bench/gpu_smoke.py torch triton ;;
     decode_ad) section decode_ad 300 python3 bench/decode_bench.py --impls autodeploy --json "$OUT/decode_ad.json" ;;
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
+    decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
+    coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
+    offline128) config_dir 8b; section offline128 200 python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
+        --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
+        --max_seq_len 1024 --output_json "$OUT/offline128.json" ;;
+    offline1000) config_dir 8b; section offline1000 240 python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
+        --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
+        --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac

@@ -1,0 +1,48 @@
+"""Cold start: process start to the first generated token, in a fresh process.
+
+    python bench/cold_start.py --shape llama8b
+
+The child builds the model from a config directory with random bf16 weights (no checkpoint to read),
+compiles it with the defaults of ``autodeploy serve`` (CUDA graphs included) and generates one token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = """
+import sys, time
+from autodeploy import LLM, SamplingParams
+llm = LLM(sys.argv[1], weights="random", dtype="bfloat16", max_seq_len=4096)
+out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))
+print("FIRST_TOKEN", time.time(), out[0].outputs[0].token_ids, flush=True)
+print(llm.model.report.pass_table(), flush=True)
+"""
+
+
+def main() -> None:
+    from decode_bench import llama_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama8b")
+    args = parser.parse_args()
+    config_dir = tempfile.mkdtemp()
+    llama_config(args.shape).save_pretrained(config_dir)
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir], capture_output=True, text=True)
+    first = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_TOKEN")]
+    if proc.returncode or not first:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        sys.exit(1)
+    seconds = float(first[0].split()[1]) - start
+    print(proc.stdout.split("\n", 1)[1] if "\n" in proc.stdout else "")
+    print(json.dumps({"shape": args.shape, "cold_start_s": round(seconds, 1)}))
+
+
+if __name__ == "__main__":
+    main()
