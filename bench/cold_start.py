@@ -34,7 +34,8 @@ def main() -> None:
     config_dir = tempfile.mkdtemp()
     llama_config(args.shape).save_pretrained(config_dir)
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir], capture_output=True, text=True)
+    # cwd outside the repository: its source tree must not shadow the installed package
+    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir], capture_output=True, text=True, cwd=config_dir)
     first = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_TOKEN")]
     if proc.returncode or not first:
         print(proc.stdout[-3000:], proc.stderr[-3000:])
