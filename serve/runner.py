@@ -66,7 +66,7 @@ class ModelRunner:
             SequenceChunk(tuple(c.seq.token_ids[c.start : c.end]), c.start, tuple(c.seq.block_ids), c.num_logits)
             for c in schedule.chunks
         ]
-        logits = self.model.forward(self.model.prepare(chunks))
+        logits = self.model(chunks)  # decode steps replay a CUDA graph when one is captured
         last_rows = torch.tensor([c.num_logits for c in schedule.chunks]).cumsum(0) - 1
         sampling = [(int(row), c.seq) for row, c in zip(last_rows, schedule.chunks) if c.samples]
         tensors: dict[str, torch.Tensor] = {}
