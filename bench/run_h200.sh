@@ -23,6 +23,13 @@ for s in "$@"; do
     offline1000) config_dir 8b; section offline1000 240 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
         --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;
+    serving) config_dir 8b
+        (cd /tmp && nohup python3 -m autodeploy.cli serve /tmp/cfg8b --weights random --dtype bfloat16 --port 8011 \
+            --max_batch_size 64 --max_seq_len 1024 --num_kv_blocks 8192 > "$OUT/server.log" 2>&1 &)
+        for i in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+        for c in 1 16 64; do section "serving_c$c" 60 env -C /tmp python3 -m autodeploy.cli bench serve \
+            --base_url http://127.0.0.1:8011 --concurrency $c --num_requests $((c * 4)) --input_len 128 --output_len 128 \
+            --vocab_size 128000; done ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac

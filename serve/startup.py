@@ -67,7 +67,9 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     start = time.perf_counter()
     with pass_progress(options):
         model = compile_model(model_dir, **options)
-    tokenizer = load_tokenizer(settings.tokenizer or model_dir, settings.chat_template, options.get("trust_remote_code", False))
+    # the resolved checkpoint (a .gguf input is converted into one), not the path the user gave
+    tokenizer = load_tokenizer(settings.tokenizer or model.model_dir, settings.chat_template,
+                               options.get("trust_remote_code", False))
     engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
     report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
     # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
