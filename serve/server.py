@@ -10,6 +10,7 @@ loading a 503. The server makes no outbound connections.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 
 from fastapi import FastAPI, Request
@@ -32,7 +33,8 @@ log = logging.getLogger("autodeploy.serve.server")
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app serving ``state`` (its engine may be attached later, after loading)."""
-    app = FastAPI(title="autodeploy", version=autodeploy.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="autodeploy", version=autodeploy.__version__, docs_url=None, redoc_url=None,
+                  **_no_telemetry())
     app.state.server = state
     _add_error_handlers(app, state)
     _add_api_key_check(app, state)
@@ -40,6 +42,15 @@ def build_app(state: ServerState) -> FastAPI:
     _add_generation_routes(app, state)
     _add_tokenizer_routes(app, state)
     return app
+
+
+def _no_telemetry() -> dict:
+    """FastAPI >= 0.165 has OpenTelemetry built in, and exports (opens connections) when the
+    environment says so. We never send telemetry: switch every part of it off where it exists."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

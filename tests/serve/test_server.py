@@ -197,3 +197,21 @@ def test_503_while_loading():
     response = client.post(COMPLETIONS, json={"prompt": "x"})
     assert response.status_code == 503 and response.json()["error"]["type"] == "ServiceUnavailableError"
     assert client.get("/metrics").status_code == 200
+
+
+def test_the_app_never_exports_telemetry(monkeypatch):
+    """Even with FastAPI's OpenTelemetry auto-configuration requested by the environment."""
+    import inspect
+
+    from fastapi import FastAPI
+
+    from autodeploy.serve.server import _no_telemetry
+
+    monkeypatch.setenv("FASTAPI_OTEL_AUTO_CONFIGURE", "true")
+    options = _no_telemetry()
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        app = FastAPI(**options)
+        config = app._telemetry
+        assert not any(config[k] for k in ("tracing", "metrics", "logs", "auto_configure"))
+    else:
+        assert options == {}
