@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+from ..errors import UnsupportedPatternError
 from .attention_backends import AttentionBackend
 
 
@@ -32,7 +33,7 @@ def paged_attention_flashinfer(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if sinks is not None:
-        raise NotImplementedError("the flashinfer backend does not support attention sinks")
+        raise UnsupportedPatternError("the flashinfer backend does not support attention sinks (use triton)")
     from ..kernels.flashinfer_paged import flashinfer_paged_attention
 
     return flashinfer_paged_attention(
