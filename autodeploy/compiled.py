@@ -63,7 +63,7 @@ class CompiledModel:
         self.model_dir = model_dir
         self.cuda_graphs = cuda_graphs
         # metadata staging buffers sized for the largest step (max_num_tokens, max_batch_size, max_seq_len)
-        largest = Padding(config.max_num_tokens, config.max_batch_size, -(-capacity.max_seq_len // pool.block_size))
+        largest = Padding(config.max_num_tokens, config.max_batch_size, capacity.max_blocks_per_seq)
         self._buffers = StepBuffers(largest.metadata_size, report.device)
 
     @property

@@ -15,6 +15,8 @@ from decode_bench import bench_autodeploy, compile_autodeploy, llama_config
 
 def host_split(model, chunks, steps: int = 50) -> None:
     """Where the host spends a step: metadata + replay launch, then the sync on the sampled ids."""
+    from autodeploy.kvcache.metadata import BatchMetadata
+
     runner = model.cuda_graphs
     torch.cuda.synchronize()
     prep = replay = wait = 0.0
@@ -22,10 +24,7 @@ def host_split(model, chunks, steps: int = 50) -> None:
         t0 = time.perf_counter()
         size = next(s for s in runner.batch_sizes if s >= len(chunks))
         captured = runner.graphs[size]
-        from autodeploy.kvcache.metadata import BatchMetadata
-
-        BatchMetadata.build(chunks, model.block_size, captured.buffers.device, pad=captured.pad,
-                            buffers=captured.buffers)
+        BatchMetadata.refill(chunks, model.block_size, captured.pad, captured.buffers)  # as CudaGraphRunner.run
         t1 = time.perf_counter()
         captured.graph.replay()
         ids = captured.output[: len(chunks)].argmax(-1)

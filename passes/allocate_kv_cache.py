@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from autodeploy.kvcache.allocator import blocks_needed
 from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
 from autodeploy.kvcache.pool import KVCapacity, KVPool
 from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
@@ -28,7 +29,7 @@ class AllocateKVCache(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         specs, cfg = ctx.artifacts["kv_specs"], ctx.config
         block_size, max_seq_len = cfg.tokens_per_block, ctx.artifacts["max_seq_len"]
-        blocks_per_seq = -(-max_seq_len // block_size)
+        blocks_per_seq = blocks_needed(max_seq_len, block_size)
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif ctx.device.type == "cuda":
@@ -50,7 +51,7 @@ class AllocateKVCache(Pass):
     def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
         cfg = ctx.config
         tokens = min(cfg.max_num_tokens, ctx.artifacts["max_seq_len"])
-        n_blocks = -(-tokens // cfg.tokens_per_block)
+        n_blocks = blocks_needed(tokens, cfg.tokens_per_block)
         scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
         chunk = SequenceChunk(tuple([0] * tokens), 0, tuple(range(1, n_blocks + 1)))
         batch = BatchMetadata.build([chunk], cfg.tokens_per_block, ctx.device)

@@ -31,8 +31,7 @@ class CompileCudaGraphs(Pass):
         max_bs = ctx.config.max_batch_size
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
         pool = ctx.artifacts["kv_pool"]
-        max_blocks = -(-ctx.artifacts["max_seq_len"] // pool.block_size)
-        runner = CudaGraphRunner(ctx.gm, pool, sizes, max_blocks)
+        runner = CudaGraphRunner(ctx.gm, pool, sizes, ctx.artifacts["kv_capacity"].max_blocks_per_seq)
         runner.capture()
         ctx.artifacts["cuda_graphs"] = runner
         return PassResult(len(sizes), f"batch sizes {sizes} captured in {runner.capture_seconds:.1f} s")

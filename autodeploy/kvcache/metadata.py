@@ -121,7 +121,7 @@ class Padding:
     @property
     def metadata_size(self) -> int:
         """Most int64 values a step of this shape needs (logits rows <= tokens)."""
-        return 4 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+        return sum(_field_sizes(self, self.num_tokens).values())
 
     def covering(self, need: "Padding") -> "Padding":
         if need.num_tokens > self.num_tokens or need.num_seqs > self.num_seqs or need.max_blocks > self.max_blocks:
@@ -140,17 +140,20 @@ class StepBuffers:
         self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.turn = 0
 
-    def stage(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def copy_in(self, size: int, fill) -> torch.Tensor:
+        """``fill`` the next host buffer's first ``size`` values (as numpy), copy them to the device."""
         if size > self.dev.numel():
             raise ValueError(f"step metadata of {size} values exceeds the buffer of {self.dev.numel()}")
         self.turn ^= 1
-        if self.events[self.turn] is not None:
-            self.events[self.turn].synchronize()  # the copy that last read this host buffer is done
-        return self.hosts[self.turn][:size], self.dev[:size]
-
-    def record(self) -> None:
-        if self.events[self.turn] is not None:
-            self.events[self.turn].record()
+        event = self.events[self.turn]
+        if event is not None:
+            event.synchronize()  # the copy that last read this host buffer is done
+        host, dev = self.hosts[self.turn][:size], self.dev[:size]
+        fill(host.numpy())
+        dev.copy_(host, non_blocking=True)
+        if event is not None:
+            event.record()
+        return dev
 
 
 _DECODE_LIST_FILL_MAX = 64  # below this many sequences plain lists beat numpy's per-call overhead
@@ -169,10 +172,7 @@ def _stage(chunks, block_size, device, pad, buffers) -> tuple[torch.Tensor, dict
         host = torch.empty(total, dtype=torch.int64)
         _fill(host.numpy(), chunks, lens, block_size, shape)
         return host.to(device), sizes, shape
-    host, dev = buffers.stage(total)
-    _fill(host.numpy(), chunks, lens, block_size, shape)
-    dev.copy_(host, non_blocking=True)
-    buffers.record()
+    dev = buffers.copy_in(total, lambda out: _fill(out, chunks, lens, block_size, shape))
     return dev, sizes, shape
 
 
@@ -240,10 +240,7 @@ def _stage_decode(chunks, block_size, pad, buffers) -> tuple[torch.Tensor, dict[
     """The hot path of small CUDA-graph decode steps (one token per sequence), list-based."""
     shape = pad.covering(Padding(len(chunks), len(chunks), max(len(c.block_ids) for c in chunks)))
     sizes = _field_sizes(shape, shape.num_seqs)
-    host, dev = buffers.stage(sum(sizes.values()))
-    _fill_decode(host.numpy(), chunks, block_size, shape)
-    dev.copy_(host, non_blocking=True)
-    buffers.record()
+    dev = buffers.copy_in(sum(sizes.values()), lambda out: _fill_decode(out, chunks, block_size, shape))
     return dev, sizes, shape
 
 

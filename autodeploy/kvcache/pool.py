@@ -35,6 +35,11 @@ class KVCapacity:
         return self.num_blocks * self.block_size
 
     @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks one sequence of ``max_seq_len`` tokens needs (block-table width)."""
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
     def seqs_at_max_len(self) -> int:
         return self.num_tokens // self.max_seq_len
 
