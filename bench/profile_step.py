@@ -48,8 +48,30 @@ def kernel_table(model, chunks, steps: int = 5, top: int = 22) -> None:
     total = sum(e.device_time_total for e in events) / steps
     count = sum(e.count for e in events) / steps
     print(f"GPU per step: {total:.0f} us in {count:.0f} kernels", flush=True)
+    timeline_gaps(prof, steps)
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / steps:8.1f} us  x{e.count / steps:5.0f}  {e.key[:110]}", flush=True)
+
+
+def timeline_gaps(prof, steps: int, stall_us: float = 20.0) -> None:
+    """Idle time between consecutive kernels: short gaps (inside a graph / stream) vs host stalls."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = sorted((e["ts"], e["dur"]) for e in trace["traceEvents"]
+                     if e.get("cat") == "kernel" and "dur" in e)
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
+    short = [g for g in gaps if g < stall_us]
+    stalls = [g for g in gaps if g >= stall_us]
+    busy = sum(d for _, d in kernels)
+    span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+    print(f"timeline per step: span {span / steps:.0f} us, kernels busy {busy / steps:.0f} us, "
+          f"short gaps {sum(short) / steps:.0f} us ({len(short) / steps:.0f} of them, "
+          f"median {sorted(short)[len(short) // 2] if short else 0:.2f} us), "
+          f"host stalls {sum(stalls) / steps:.0f} us ({len(stalls) / steps:.1f}/step)", flush=True)
 
 
 def main() -> None:

@@ -9,6 +9,20 @@ mkdir -p "$OUT"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 section() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 config_dir() { [ -d /tmp/cfg8b ] || python3 -c "import sys; sys.path.insert(0, 'bench'); from decode_bench import llama_config; llama_config('llama8b').save_pretrained('/tmp/cfg8b')"; }
+serving() {  # issue 3: TPOT at concurrency 1/16/64, then the bare decode step at the same batch sizes
+  (cd /tmp && exec python3 -m autodeploy.cli serve /tmp/cfg8b --weights random --dtype bfloat16 --port 8011 \
+      --max_batch_size 64 --max_seq_len 1024 --num_kv_blocks 8192 > "$OUT/server.log" 2>&1) &
+  local server=$!
+  for i in $(seq 1 150); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; kill -0 $server 2>/dev/null || break; sleep 1; done
+  grep -v -i warn "$OUT/server.log" | tail -25
+  for c in 1 16 64; do section "serving_c$c" 90 env -C /tmp python3 -m autodeploy.cli bench serve \
+      --base_url http://127.0.0.1:8011 --concurrency $c --num_requests $((c * 4)) --input_len 128 --output_len 128 \
+      --vocab_size 128000; done
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^autodeploy" | grep -v -E "_bucket|_created" | head -30
+  kill $server; wait $server 2>/dev/null
+  section decode_at_serving_batches 200 python3 bench/decode_bench.py --impls autodeploy --shapes llama8b \
+      --batches 1,16,64 --context 192 --json "$OUT/decode_serving.json"
+}
 for s in "$@"; do
   case $s in
     smoke) section smoke 200 python3 bench/gpu_smoke.py torch triton ;;
@@ -23,13 +37,7 @@ for s in "$@"; do
     offline1000) config_dir 8b; section offline1000 240 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
         --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;
-    serving) config_dir 8b
-        (cd /tmp && nohup python3 -m autodeploy.cli serve /tmp/cfg8b --weights random --dtype bfloat16 --port 8011 \
-            --max_batch_size 64 --max_seq_len 1024 --num_kv_blocks 8192 > "$OUT/server.log" 2>&1 &)
-        for i in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
-        for c in 1 16 64; do section "serving_c$c" 60 env -C /tmp python3 -m autodeploy.cli bench serve \
-            --base_url http://127.0.0.1:8011 --concurrency $c --num_requests $((c * 4)) --input_len 128 --output_len 128 \
-            --vocab_size 128000; done ;;
+    serving) config_dir 8b; serving ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac
