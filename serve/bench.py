@@ -41,6 +41,7 @@ class OfflineResult:
     tpot: Distribution
     itl: Distribution
     model_decode_step_ms: float  # bare CompiledModel decode step at the mean batch size
+    steps: "StepStats"
 
     def summary(self) -> str:
         return "\n".join([
@@ -51,7 +52,43 @@ class OfflineResult:
             latency_table([self.ttft, self.tpot, self.itl]),
             f"bare model decode step at batch {round(self.mean_batch_size)}: {self.model_decode_step_ms:.2f} ms "
             f"(TPOT p50 - step = engine overhead per token: {self.tpot.p50_ms - self.model_decode_step_ms:.2f} ms)",
+            self.steps.summary(),
         ])
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Engine steps split by kind: decode-only steps (one token per sequence) and steps that prefill."""
+
+    decode_steps: int
+    decode_ms: float  # total wall time of the decode-only steps
+    decode_seqs: float  # mean sequences per decode-only step
+    prefill_steps: int
+    prefill_ms: float
+    prefill_tokens: float  # mean tokens per prefilling step
+    max_step_ms: float
+
+    @classmethod
+    def of(cls, steps: list[tuple[int, int, float]]) -> "StepStats":
+        """``steps``: (sequences, tokens, wall ms) of every engine step."""
+        steps = [s for s in steps if s[0] > 0]
+        decode = [s for s in steps if s[1] == s[0]]
+        prefill = [s for s in steps if s[1] != s[0]]
+        return cls(len(decode), sum(s[2] for s in decode), _mean(s[0] for s in decode),
+                   len(prefill), sum(s[2] for s in prefill), _mean(s[1] for s in prefill),
+                   max((s[2] for s in steps), default=0.0))
+
+    def summary(self) -> str:
+        return (f"steps: {self.decode_steps} decode-only ({self.decode_ms / 1e3:.2f} s, "
+                f"{self.decode_ms / max(1, self.decode_steps):.2f} ms each, {self.decode_seqs:.0f} seqs), "
+                f"{self.prefill_steps} with prefill ({self.prefill_ms / 1e3:.2f} s, "
+                f"{self.prefill_ms / max(1, self.prefill_steps):.2f} ms each, {self.prefill_tokens:.0f} tokens); "
+                f"slowest step {self.max_step_ms:.1f} ms")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
 
 
 def run_offline(model, input_len: int, output_len: int, num_requests: int, concurrency: int | None = None,
@@ -65,7 +102,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     _warm_up(engine)
     token_times: dict[str, list[float]] = {}
     starts: dict[str, float] = {}
-    batch_sizes: list[int] = []
+    steps: list[tuple[int, int, float]] = []
     next_prompt, begin = 0, time.perf_counter()
     while next_prompt < num_requests or engine.has_unfinished_requests():
         while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
@@ -73,9 +110,10 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
             starts[rid] = time.perf_counter()
             engine.add_request(rid, prompts[next_prompt], params)
             next_prompt += 1
+        before = time.perf_counter()
         outputs = engine.step()
-        batch_sizes.append(engine.last_batch_size)
         now = time.perf_counter()
+        steps.append((engine.last_batch_size, engine.last_num_tokens, (now - before) * 1e3))
         for out in outputs:
             for _ in range(sum(len(c.token_ids) for c in out.outputs)):
                 token_times.setdefault(out.request_id, []).append(now)
@@ -83,12 +121,13 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     ttft = [times[0] - starts[rid] for rid, times in token_times.items()]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
     itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
-    mean_batch = sum(batch_sizes) / max(1, len(batch_sizes))
+    mean_batch = max(1.0, _mean(s[0] for s in steps))
     step_ms = decode_step_ms(model, max(1, round(mean_batch)), input_len + output_len // 2)
     return OfflineResult(
         num_requests, input_len, output_len, concurrency, seconds, num_requests / seconds,
         num_requests * output_len / seconds, num_requests * (input_len + output_len) / seconds, mean_batch,
         Distribution.of("TTFT", ttft), Distribution.of("TPOT", tpot), Distribution.of("ITL", itl), step_ms,
+        StepStats.of(steps),
     )
 
 

@@ -82,6 +82,7 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}
         self._unreported: list[Sequence] = []  # sampled last step, detokenized next step (overlap)
         self.last_batch_size = 0  # sequences in the last step
+        self.last_num_tokens = 0  # tokens in the last step (more than its sequences when it prefills)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -139,7 +140,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the reports of the requests that changed."""
         schedule = self.scheduler.schedule()
-        self.last_batch_size = len(schedule.chunks)
+        self.last_batch_size, self.last_num_tokens = len(schedule.chunks), schedule.num_tokens
         if not schedule.chunks and not self._unreported and self.scheduler.has_work:
             # cannot happen when requests are validated against the pool size; never spin silently
             raise RuntimeError("the scheduler made no progress with requests waiting")

@@ -79,7 +79,7 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
 def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
     report = model.report
     cap = model.capacity
-    graphs = getattr(report, "cuda_graph_batch_sizes", None)  # filled once a CUDA-graph pass exists
+    graphs = model.cuda_graphs
     lines = [
         f"model        {model.model_dir} ({report.architecture}, {report.model_type})",
         f"dtype        {report.dtype} on {report.device}",
@@ -88,11 +88,17 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len}",
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step; "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
-        f"CUDA graphs  {', '.join(map(str, graphs)) if graphs else 'none'}",
+        f"CUDA graphs  {cuda_graph_line(graphs)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
         f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.api_key else ""),
     ]
     return "\n".join(lines)
+
+
+def cuda_graph_line(graphs) -> str:
+    if graphs is None:
+        return "none (not on CUDA, or an attention backend that cannot be captured)"
+    return f"decode batch sizes {', '.join(map(str, graphs.batch_sizes))} (captured in {graphs.capture_seconds:.1f} s)"
 
 
 @contextlib.contextmanager

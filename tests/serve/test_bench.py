@@ -23,6 +23,12 @@ def test_offline_benchmark(compiled):
     assert result.output_throughput == pytest.approx(result.request_throughput * 4)
     assert 1 <= result.mean_batch_size <= 3 and result.model_decode_step_ms > 0
     assert "TPOT" in result.summary() and "bare model decode step" in result.summary()
+    steps = result.steps
+    # 6 prompts of 8 tokens prefill in some steps; every request then decodes 3 more tokens
+    assert steps.prefill_steps >= 2 and steps.decode_steps >= 3
+    assert steps.prefill_tokens > steps.decode_seqs >= 1
+    assert steps.max_step_ms * (steps.decode_steps + steps.prefill_steps) >= steps.decode_ms + steps.prefill_ms
+    assert "decode-only" in result.summary()
 
 
 def test_offline_benchmark_command(compiled, monkeypatch, capsys, tmp_path):

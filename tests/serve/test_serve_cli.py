@@ -80,9 +80,20 @@ def test_serve_starts_reports_and_answers(tiny_dir):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    for line in ("model ", "compile ", "KV cache     64 blocks", "CUDA graphs", f"serving      tiny at {url}/v1"):
+    for line in ("model ", "compile ", "KV cache     64 blocks", "CUDA graphs  none (not on CUDA",
+                 f"serving      tiny at {url}/v1"):
         assert line in out
     assert "compiling" in err and "loading weights" in err  # the progress bars
+
+
+def test_report_names_the_captured_cuda_graphs():
+    from types import SimpleNamespace
+
+    from autodeploy.serve.startup import cuda_graph_line
+
+    runner = SimpleNamespace(batch_sizes=[1, 2, 4, 64], capture_seconds=4.71)
+    assert cuda_graph_line(runner) == "decode batch sizes 1, 2, 4, 64 (captured in 4.7 s)"
+    assert cuda_graph_line(None).startswith("none")
 
 
 def _wait_for_url(proc) -> str:
