@@ -16,6 +16,7 @@ _BUILTIN = {
     "load_weights": "autodeploy.passes.load_weights:LoadWeights",
     "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
     "allocate_kv_cache": "autodeploy.passes.allocate_kv_cache:AllocateKVCache",
+    "warm_up": "autodeploy.passes.warm_up:WarmUp",
     "compile_cuda_graphs": "autodeploy.passes.compile_cuda_graphs:CompileCudaGraphs",
 }
 for _name, _target in _BUILTIN.items():

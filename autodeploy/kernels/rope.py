@@ -48,7 +48,11 @@ def _rope_block(
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# counts and strides that change with the number of tokens: no ==1 / %16 variants, one compile
+_ROPE_DYNAMIC = ["n_rows", "size1", "size2", "sx0", "sc0", "ss0"]
+
+
+@triton.jit(do_not_specialize=_ROPE_DYNAMIC)
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, size1, size2,
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
@@ -59,7 +63,8 @@ def _rope_kernel(
                 sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_ROWS, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_rows", "q_size1", "q_size2", "qx0", "qc0", "qs0",
+                               "k_rows", "k_size1", "k_size2", "kx0", "kc0", "ks0"])
 def _rope_qk_kernel(
     q_ptr, qcos_ptr, qsin_ptr, qout_ptr, q_rows, q_size1, q_size2,
     qx0, qx1, qx2, qc0, qc1, qc2, qs0, qs1, qs2,

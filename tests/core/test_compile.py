@@ -101,3 +101,21 @@ def test_pickle_weights_need_opt_in(tmp_path):
     assert torch.equal(
         compiled.gm.get_parameter("model.embed_tokens.weight"), model.model.embed_tokens.weight.detach()
     )
+
+
+def test_warm_up_runs_eager_steps_and_leaves_the_model_exact(tiny_llama):
+    from autodeploy.passes.warm_up import warm_up_steps
+
+    model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True}}, **CPU)
+    record = next(r for r in model.report.passes if r.name == "warm_up")
+    assert record.matches == 5 and "5 eager steps" in record.detail
+    assert run_check(tiny_llama, compiled=model).passed  # the blocks it wrote are reused without harm
+    small = CompileConfig(max_batch_size=4, max_num_tokens=64)
+    assert len(warm_up_steps(16, 1000, small)) == 2  # steps larger than the engine's limits are left out
+    assert warm_up_steps(16, 1, CompileConfig())[0] == []  # a pool too small for a step skips it
+
+
+def test_warm_up_is_skipped_on_the_cpu_by_default(compiled):
+    model, _ = compiled
+    record = next(r for r in model.report.passes if r.name == "warm_up")
+    assert record.matches == 0 and "skipped" in record.detail
