@@ -29,6 +29,7 @@ for s in "$@"; do
     decode_ad) section decode_ad 300 python3 bench/decode_bench.py --impls autodeploy --json "$OUT/decode_ad.json" ;;
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
+    gemm) section gemm 200 python3 bench/gemm_sweep.py ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
     offline128) config_dir 8b; section offline128 200 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
