@@ -74,6 +74,27 @@ def timeline_gaps(prof, steps: int, stall_us: float = 20.0) -> None:
           f"host stalls {sum(stalls) / steps:.0f} us ({len(stalls) / steps:.1f}/step)", flush=True)
 
 
+def eager_steps(model, context: int) -> None:
+    """The steps CUDA graphs do not cover: a prefill of 64 x 128 tokens and a mixed step
+    (248 decodes + 2 prompts of 128), timed on first call (compiles) and warm, with a kernel table."""
+    from autodeploy.kvcache.metadata import SequenceChunk
+
+    per_seq = -(-(context + 32) // model.block_size)
+    blocks = lambda i: tuple(range(i * per_seq + 1, (i + 1) * per_seq + 1))  # noqa: E731
+    prefill = [SequenceChunk((1,) * 128, 0, blocks(i)) for i in range(64)]
+    mixed = [SequenceChunk((1,), context, blocks(i)) for i in range(248)]
+    mixed += [SequenceChunk((1,) * 128, 0, blocks(248 + i)) for i in range(2)]
+    for name, chunks in (("prefill 64x128", prefill), ("mixed 248 decodes + 2x128", mixed)):
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(chunks).argmax(-1).tolist()
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(f"== {name}: first call {times[0]:.1f} ms, then {min(times[1:]):.1f} ms", flush=True)
+        kernel_table(model, chunks, steps=2, top=14)
+
+
 def main() -> None:
     from autodeploy.kvcache.metadata import SequenceChunk
 
@@ -81,9 +102,13 @@ def main() -> None:
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--eager", action="store_true", help="also profile a prefill and a mixed step")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    model, _ = compile_autodeploy(llama_config(args.shape), max(batches), args.context, "triton")
+    max_batch = max(batches + ([256] if args.eager else []))
+    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, "triton")
+    if args.eager:
+        eager_steps(model, args.context)
     per_seq = -(-(args.context + 32) // model.block_size)
     for b in batches:
         chunks = [SequenceChunk((1,), args.context, tuple(range(i * per_seq + 1, (i + 1) * per_seq + 1)))
