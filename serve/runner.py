@@ -7,6 +7,7 @@ once (on CUDA); :meth:`PendingStep.wait` is where the host waits for the step's 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -67,14 +68,14 @@ class ModelRunner:
             for c in schedule.chunks
         ]
         logits = self.model(chunks)  # decode steps replay a CUDA graph when one is captured
-        last_rows = torch.tensor([c.num_logits for c in schedule.chunks]).cumsum(0) - 1
-        sampling = [(int(row), c.seq) for row, c in zip(last_rows, schedule.chunks) if c.samples]
+        last_rows = [end - 1 for end in itertools.accumulate(c.num_logits for c in schedule.chunks)]
+        sampling = [(row, c.seq) for row, c in zip(last_rows, schedule.chunks) if c.samples]
         tensors: dict[str, torch.Tensor] = {}
         if sampling:
             rows = [row for row, _ in sampling]
             sample_logits = logits if rows == list(range(logits.shape[0])) else logits[self._index(rows)]
             tensors.update(self.sampler.sample(sample_logits, [seq for _, seq in sampling]))
-        prompt_rows = self._prompt_logprobs(schedule.chunks, last_rows.tolist(), logits, tensors)
+        prompt_rows = self._prompt_logprobs(schedule.chunks, last_rows, logits, tensors)
         return PendingStep([seq for _, seq in sampling], prompt_rows, PendingTokens(tensors))
 
     def _prompt_logprobs(self, chunks, last_rows, logits, tensors) -> list[_PromptRows]:
