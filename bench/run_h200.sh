@@ -30,6 +30,7 @@ for s in "$@"; do
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
+    equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
