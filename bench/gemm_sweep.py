@@ -20,8 +20,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-BATCHES = (1, 8, 64)
+SHAPES = {
+    "llama8b": {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
+    "smollm2": {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                "lm_head": (576, 49152)},
+}
 L2_BYTES = 60 << 20
 
 
@@ -72,14 +75,20 @@ def graph_us(fn_per_copy, copies: int, reps: int = 20) -> float:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,8,64")
+    args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{'proj':<8}{'M':>4} {'impl':<34}{'us':>8}{'TB/s':>7}{'rel err':>9}")
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in SHAPES[args.shape].items():
         wbytes = k * n * 2
         copies = max(2, -(-4 * L2_BYTES // wbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         wts = [w.t().contiguous() for w in ws]
-        for m in BATCHES:
+        for m in (int(b) for b in args.batches.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0]).float()
@@ -87,7 +96,7 @@ def main() -> None:
                     ("x @ wt", graph_us(lambda i: torch.mm(x, wts[i]), copies))]
             best = None
             for bn, bk, st, wp in itertools.product((16, 32, 64), (128, 256), (3, 4), (4,)):
-                if m > 16 and bn < 32:
+                if (m > 16 and bn < 32) or bk > triton.next_power_of_2(k):
                     continue
                 try:
                     skinny_gemm(x, ws[0], out, bn, bk, st, wp)

@@ -32,6 +32,7 @@ for s in "$@"; do
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
     equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;
+    gemm_small) section gemm_small 150 python3 bench/gemm_sweep.py --shape smollm2 --batches 1,8 ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
     offline128) config_dir 8b; section offline128 200 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
