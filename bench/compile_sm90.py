@@ -137,6 +137,8 @@ def variants():
     yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 2)
     yield ("attn decode fp32 d64", *_attention("fp32", HEAD_DIM=64, BLOCK_D=64), 4, 2)
     yield ("attn decode gqa4 d128 (split 32)", *_attention(NUM_SPLITS=32), 4, 2)
+    # the JIT specialises integer arguments equal to 1 as constants: batch 1 is a variant of its own
+    yield ("attn decode batch 1 (num_seqs = T = 1)", *_attention(num_seqs=1, num_tokens=1), 4, 2)
     yield ("attn decode gqa3 d64 (split 4, smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64), 4, 2)
     write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
     yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs,

@@ -13,8 +13,9 @@ import torch
 
 MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
 MAX_SPLITS = 64
-# Programs wanted per SM before splitting the keys. A decode program (90-130 registers x 128
-# threads, 39 KB smem) fits 4-5 per SM: 12 is ~3 waves, so the last, partial wave idles little.
+# Programs wanted per SM before splitting the keys. A decode program (108-128 registers x 128
+# threads, 39 KB smem: bench/compile_sm90.py) fits 4 per SM: 12 is 3 waves, so the last, partial
+# wave idles little.
 # A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
 # work: split only when the tiles cannot give every SM two programs.
 DECODE_PROGRAMS_PER_SM = 12

@@ -100,19 +100,29 @@ def _paged_attention_kernel(
         BLOCK_M, BLOCK_D, BLOCK_Q, BLOCK_N, PAGE_SIZE, NUM_SPLITS, HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS,
         DOT_PRECISION, SPLIT_NEW_KEYS)
 
-    out_rows = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_rows, normed.to(out_ptr.dtype.element_ty), mask=store_mask)
+        _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
     else:
-        part = part_out_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(part + dims[None, :], normed, mask=store_mask)
+        _store_rows(part_out_ptr + split * stride_ps, q_rows, head, dims, stride_pt, stride_ph, store_mask,
+                    normed)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
-        _finish_splits(out_rows, store_mask, counters_ptr + tile * tl.num_programs(1) + kv_head,
-                       part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok,
-                       stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, SPLITS_PAD)
+        counter = counters_ptr + tile * tl.num_programs(1) + kv_head
+        arrived = _arrive(counter)
+        if arrived == NUM_SPLITS - 1:  # the last split of this tile to arrive merges, then resets
+            merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
+                                   stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, SPLITS_PAD)
+            _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, merged)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_rows(dst_ptr, token, head, dims, stride_t, stride_h, mask, values):
+    """values [BLOCK_M, BLOCK_D] into rows (token, head) of a [T, H, D]-strided tensor, in its dtype."""
+    dst = dst_ptr + token[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
+    tl.store(dst, values.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -170,30 +180,24 @@ def _attend_tile(
 
 
 @triton.jit
-def _finish_splits(
-    out_rows, store_mask, counter, part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    """After this split stored its partials: count its arrival; the last split to arrive merges.
+def _arrive(counter):
+    """Count this split's arrival at its tile's counter, after its partials are stored; returns the
+    number of splits that arrived before it.
 
     Memory ordering (PTX memory model): every thread stored its share of the partials before the
     barrier, and the barrier orders those stores before the one atomic that Triton issues from a
     single thread for a scalar; that atomic releases at GPU scope, and release is cumulative, so it
     publishes the stores of the whole CTA (CUDA's cooperative-groups grid sync relies on this same
-    bar.sync + one-thread gpu-scope release). The increments of one counter form one modification
-    order, so the split that reads NUM_SPLITS - 1 acquires (GPU scope) after every other split's
-    release; Triton broadcasts the atomic's result to the CTA through shared memory behind a
-    barrier, which orders every thread's partial loads after that acquire, and the loads bypass L1
-    (``.cg``) so no stale line can be hit. The last split then resets the counter: nobody else
-    touches it in this launch, and kernel boundaries order it before the next launch or replay.
+    bar.sync + one-thread gpu-scope release; the sm_90 SASS is MEMBAR.ALL.GPU, ATOMG.ADD.STRONG.GPU,
+    CCTL.IVALL on thread 0). The increments of one counter form one modification order, so the split
+    that reads NUM_SPLITS - 1 acquires (GPU scope) after every other split's release; Triton
+    broadcasts the atomic's result to the CTA through shared memory behind a barrier, which orders
+    every thread's partial loads after that acquire, and those loads bypass L1 (``.cg``) so no stale
+    line can be hit. The last split then resets the counter: nobody else touches it in this launch,
+    and kernel boundaries order the reset before the next launch or replay.
     """
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:
-        merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok,
-                               stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, SPLITS_PAD)
-        tl.store(out_rows, merged.to(out_rows.dtype.element_ty), mask=store_mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
 def paged_attention_fwd(
