@@ -13,8 +13,11 @@ Every kernel is first checked against its torch reference on fresh random bf16 i
 
 Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at
 batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
-cached tokens. Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us,
-prefill 4 x 1024 413 TFLOP/s.
+cached tokens. It is one launch per call: the cache write, the attention and the merge of the
+flash-decoding splits; its checks also compare the written cache with the reference's and replay
+a split launch from a CUDA graph (the split counters must be back at zero after every replay).
+Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
+413 TFLOP/s.
 
     python bench/kernels_gpu.py                # < 3 minutes; exit 1 if any check fails
     python bench/kernels_gpu.py --sweep        # + decode launch-config sweep
@@ -28,7 +31,7 @@ import math
 import statistics
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,13 +221,15 @@ class PagedBatch:
     block_table: torch.Tensor
     slots: torch.Tensor
 
-    def triton(self, launch=None, **features):
-        return paged_attention_fwd(self.q, self.k, self.v, self.cache, self.cu_seqlens, self.context_lens,
+    def triton(self, launch=None, cache=None, **features):
+        cache = self.cache if cache is None else cache
+        return paged_attention_fwd(self.q, self.k, self.v, cache, self.cu_seqlens, self.context_lens,
                                    self.block_table, self.slots, D ** -0.5, launch=launch, **features)
 
-    def reference(self, **features):
+    def reference(self, cache=None, **features):
+        cache = self.cache if cache is None else cache
         return torch.ops.autodeploy.paged_attention(
-            self.q, self.k, self.v, self.cache, self.query_lens, self.context_lens, self.cu_seqlens,
+            self.q, self.k, self.v, cache, self.query_lens, self.context_lens, self.cu_seqlens,
             self.block_table, self.slots, D ** -0.5, features.get("sliding_window"),
             features.get("logit_softcap"), features.get("sinks"))
 
@@ -295,7 +300,8 @@ def flashinfer_us(batch: PagedBatch) -> float:
 
 
 def check_attention_features(report: Report) -> None:
-    """Correctness only: mixed steps with every feature, GQA/MQA/MHA, padding and empty sequences."""
+    """Correctness only: mixed steps with every feature, GQA/MQA/MHA, padding and empty sequences; the
+    cache after the call must equal the reference's, bit for bit."""
     mixed = [(37, 5), (0, 70), (300, 1), (0, 0), (129, 1), (16, 33)]
     sinks = torch.randn(HQ, device=DEV)
     for name, heads, kv_heads, head_dim, feats in [
@@ -306,14 +312,40 @@ def check_attention_features(report: Report) -> None:
         ("mha d256", 4, 4, 256, {}),
     ]:
         batch = paged_batch(mixed, heads, kv_heads, head_dim, pad_tokens=5)
-        got = batch.triton(**feats)
-        err = rel_err(got, batch.reference(**feats))
-        if got[-5:].abs().max() != 0:
-            err = float("inf")  # padding rows must be zeros
-        for splits in (3, 16):  # flash-decoding path regardless of the shape heuristic
-            forced = batch.triton(AttentionLaunch(16, 32, splits), **feats)
-            err = max(err, rel_err(forced, batch.reference(**feats)))
-        report.add(Row(f"check mixed {name}", err, note="mixed step, padding; default launch + 3/16 splits"))
+        want_cache, got_cache = batch.cache.clone(), batch.cache.clone()
+        want = batch.reference(want_cache, **feats)
+        got = batch.triton(cache=got_cache, **feats)
+        err = rel_err(got, want)
+        if got[-5:].abs().max() != 0 or not torch.equal(got_cache, want_cache):
+            err = float("inf")  # padding rows must be zero; the new k/v where the reference writes them
+        # flash-decoding regardless of the shape heuristic; both ways of walking the new keys
+        for launch in (AttentionLaunch(16, 32, 3, decode=True), AttentionLaunch(16, 32, 16, decode=True),
+                       AttentionLaunch(32, 32, 3)):
+            err = max(err, rel_err(batch.triton(launch, **feats), want))
+        report.add(Row(f"check mixed {name}", err, note="mixed step, padding, cache; default + 3/16 splits"))
+
+
+def check_split_merge_replays(report: Report, replays: int = 20) -> None:
+    """Flash-decoding splits merged in the kernel, replayed from a CUDA graph: the last split of each
+    tile resets its counter, so every replay must merge right (a leftover count would skip a merge)."""
+    batch = paged_batch([(c, 1) for c in (4095, 300, 17, 0, 1000, 64, 2047, 511)] * 8)
+    want = batch.reference()
+    launch = AttentionLaunch(16, 32, 16, decode=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        batch.triton(launch)  # compile and allocate the counters outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = batch.triton(launch)
+    err = 0.0
+    for _ in range(replays):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = max(err, rel_err(out, want))
+    report.add(Row("check split merge, graph replays", err, note=f"64 decodes, 16 splits, {replays} replays"))
 
 
 def sweep_decode(report: Report) -> None:
@@ -323,10 +355,9 @@ def sweep_decode(report: Report) -> None:
         nbytes, _ = attention_cost(seqs)
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
         base = AttentionLaunch.choose(b, b, HQ, HKV, D, c, DEV)
-        configs = [AttentionLaunch(16, n, base.num_splits, w, st)
+        configs = [replace(base, block_n=n, num_warps=w, num_stages=st)
                    for n in (16, 32, 64, 128) for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))]
-        configs += [AttentionLaunch(16, base.block_n, sp, base.num_warps, base.num_stages)
-                    for sp in (1, 2, 4, 8, 16, 32) if sp != base.num_splits]
+        configs += [replace(base, num_splits=sp) for sp in (1, 2, 4, 8, 16, 32) if sp != base.num_splits]
         for launch in configs:
             err = rel_err(batches[0].triton(launch), batches[0].reference())
             row = Row(f"sweep b={b} ctx={c} n={launch.block_n} w={launch.num_warps} s={launch.num_stages}", err,
@@ -349,6 +380,7 @@ def main() -> int:
     bench_act_mul(report)
     bench_rope(report)
     check_attention_features(report)
+    check_split_merge_replays(report)
     bench_attention(report, args.flashinfer)
     if args.sweep:
         sweep_decode(report)

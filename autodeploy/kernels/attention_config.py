@@ -13,8 +13,9 @@ import torch
 
 MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
 MAX_SPLITS = 64
-# Programs wanted per SM before splitting the keys. A decode program (90-130 registers x 128
-# threads, 39 KB smem) fits 4-5 per SM: 12 is ~3 waves, so the last, partial wave idles little.
+# Programs wanted per SM before splitting the keys. A decode program (108-128 registers x 128
+# threads, 39 KB smem: bench/compile_sm90.py) fits 4 per SM: 12 is 3 waves, so the last, partial
+# wave idles little.
 # A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
 # work: split only when the tiles cannot give every SM two programs.
 DECODE_PROGRAMS_PER_SM = 12
@@ -24,13 +25,19 @@ CPU_SMS = 1  # what the interpreter pretends to have: small tests still take the
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """Rows per query tile (query tokens x padded GQA group), keys per step, flash-decoding splits."""
+    """Rows per query tile (query tokens x padded GQA group), keys per step, flash-decoding splits.
+
+    ``decode``: tiles hold few new keys (about one per sequence), so the kernel walks them in one
+    masked loop instead of an unmasked loop plus the diagonal: one loop fewer, fewer registers.
+    Either way is correct for any step.
+    """
 
     block_m: int
     block_n: int
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    decode: bool = False
 
     def block_q(self, group: int) -> int:
         """Query tokens per tile for ``group`` query heads per KV head."""
@@ -61,7 +68,7 @@ class AttentionLaunch:
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
         per_sm = DECODE_PROGRAMS_PER_SM if decode else PREFILL_PROGRAMS_PER_SM
         splits = _num_splits(tiles, max_kv_len, per_sm * _sm_count_of(device))
-        return cls(block_m, block_n, splits, warps, stages)
+        return cls(block_m, block_n, splits, warps, stages, decode)
 
 
 def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:

@@ -3,7 +3,8 @@
 One program per token writes all KV heads of that token. The same program zeroes the attention
 output row of a token that belongs to no sequence (``t >= cu_seqlens[-1]``: padding of a CUDA-graph
 batch), so the attention kernels never have to touch rows they do not own and the output matches
-the reference op (zeros) without a separate memset launch.
+the reference op (zeros) without a separate memset launch. Used by the flashinfer backend; the
+Triton attention kernel (``paged_attention.py``) does both itself, in its single launch.
 """
 
 from __future__ import annotations

@@ -1,19 +1,30 @@
-"""Triton paged attention over the shared KV pool: varlen prefill, chunked prefill and decode in one kernel.
+"""Triton paged attention over the shared KV pool, with the cache write fused in: one launch per layer.
 
-Work decomposition (all of it derived from tensor *shapes*, never from metadata values, so the launch
-never synchronises with the host and can be captured in a CUDA graph):
+Varlen prefill, chunked prefill and decode run in one kernel. Work decomposition (all of it derived
+from tensor *shapes*, never from metadata values, so the launch never synchronises with the host and
+can be captured in a CUDA graph):
 
 - a *query tile* is ``BLOCK_Q`` consecutive query tokens of one sequence times the ``GROUP`` query
   heads that share one KV head (GQA/MQA): ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, so every K/V tile
-  loaded from the cache serves all query heads of its group;
-- the grid is ``(T // BLOCK_Q + B, num_kv_heads, num_splits)``. Sequence ``b`` owns tiles from
+  serves all query heads of its group;
+- the grid is ``(cdiv(T, BLOCK_Q) + B, num_kv_heads, num_splits)``. Sequence ``b`` owns tiles from
   ``cu_seqlens[b] // BLOCK_Q + b`` on (an upper bound that needs no prefix sum of tile counts); a
-  program finds its sequence by binary search and exits if its tile is past the sequence's queries;
+  program finds its sequence by counting and exits if its tile is past the sequence's queries.
+  Tiles from ``cu_seqlens[B] // BLOCK_Q + B`` on belong to no sequence: tile ``B + i`` zeroes the
+  output rows of the padding tokens (``t >= cu_seqlens[B]``, CUDA-graph padding) among tokens
+  ``[i * BLOCK_Q, (i + 1) * BLOCK_Q)``, so no memset is launched;
+- keys below ``context_lens[b]`` are read from the pool, the step's new keys from the ``k``/``v``
+  inputs (row ``cu_seqlens[b] + j - context_lens[b]`` for position ``j``). One program per (tile,
+  KV head), the last split, writes the tile's new K/V into the pool at ``slot_mapping`` (-1 = skip).
+  Nobody reads a pool slot written in the same launch: no race, no second kernel;
 - ``num_splits > 1`` is flash-decoding: each split walks one contiguous segment of the visible keys
-  and writes a partial output and its log-sum-exp; :func:`_combine_kernel` merges them.
+  and writes a partial output and its log2-sum-exp; the split that arrives last at its tile's
+  counter merges them into ``out`` (see ``_finish_splits``), so there is no combine kernel either.
 
-Query ``i`` of sequence ``b`` sits at position ``context_lens[b] + i`` and sees cached keys ``j`` with
-``j <= pos`` (and ``pos - j < sliding_window``). Softmax runs in the log2 domain in fp32.
+Query ``i`` of sequence ``b`` sits at position ``context_lens[b] + i`` and sees keys ``j`` with
+``j <= pos`` (and ``pos - j < sliding_window``). Softmax runs in the log2 domain in fp32. The new
+keys must be those ``slot_mapping`` stores at the sequence's next positions (as the engine builds
+them); a real token with slot -1 would attend to its own k/v, where the reference op reads the pool.
 """
 
 from __future__ import annotations
@@ -23,100 +34,106 @@ import triton
 import triton.language as tl
 
 from .attention_config import AttentionLaunch
-from .kv_cache_write import write_kv_cache
+from .paged_attention_blocks import (
+    LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, _attend_range, _find_sequence, _merge_splits, _write_new_kv,
+)
 
-@triton.jit
-def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest b with cu_seqlens[b] // BLOCK_Q + b <= tile (binary search over the sequences)."""
-    # typed tensors: loop-carried values must keep one type (an int arg equal to 1 is a constexpr)
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.zeros([], dtype=tl.int32) + num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(cu_seqlens_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp; saturates correctly at +-inf in fp32
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _attend_keys(
-    q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
-    dims, dim_ok, scale, softcap, window,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-):
-    """One online-softmax step over keys [start, start + BLOCK_N) gathered from the paged cache."""
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < kv_hi
-    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
-    slot = page * stride_cb + (keys % PAGE_SIZE) * stride_cs
-    k_t = tl.load(cache_head + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-    s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * scale
-    if HAS_SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    s = s * 1.4426950408889634  # log2(e): softmax in base 2
-    if MASKED:
-        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[:, None] - keys[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = m_new
-    if MASKED:  # rows with nothing visible yet keep m = -inf; exponentiate against 0 instead
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    v = tl.load(cache_head + stride_ckv + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _find_sequence)
 
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, sinks_ptr,
-    context_lens_ptr, cu_seqlens_ptr, block_table_ptr, num_seqs,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, sinks_ptr,
+    context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, num_seqs, num_tokens,
     scale, softcap, window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q)
+    seq = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q, SEARCH_BLOCK)
+    owned = seq < num_seqs
+    # issued together: one memory round trip for all the tile needs to know about its sequence
     q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_first >= q_len:
-        return
-    ctx_len = tl.load(context_lens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1, mask=owned, other=0) - q_start
+    ctx_len = tl.load(context_lens_ptr + seq, mask=owned, other=0)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)
-    token = q_first + rows // GROUP_PAD
     head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP)
-    pos = ctx_len + token
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
+    if seq >= num_seqs:  # a padding tile: q_start is cu_seqlens[B], the first padding token
+        if split == 0:
+            token = ((tile - num_seqs) * BLOCK_Q + rows // GROUP_PAD).to(tl.int64)
+            pad_ok = (token >= q_start) & (token < num_tokens) & (rows % GROUP_PAD < GROUP)
+            dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+            tl.store(dst, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                     mask=pad_ok[:, None] & dim_ok[None, :])
+        return
+    q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_first >= q_len:
+        return
+
+    token = q_first + rows // GROUP_PAD
+    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP)
     q_rows = (q_start + token).to(tl.int64)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    cache_head = cache_ptr + kv_head * stride_ch
+    if split == NUM_SPLITS - 1:  # the split with the fewest keys writes the tile's new K/V, once
+        _write_new_kv(k_head, v_head, slot_ptr, cache_head, q_rows, row_ok & (rows % GROUP_PAD == 0),
+                      stride_kt, stride_vt, stride_cb, stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    acc, m_i, l_i = _attend_tile(
+        q, head, row_ok, ctx_len + token, q_first, q_len, ctx_len, q_start, split,
+        block_table_ptr + seq.to(tl.int64) * stride_bt, cache_head, stride_cb, stride_cs, stride_ckv,
+        k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
+        BLOCK_M, BLOCK_D, BLOCK_Q, BLOCK_N, PAGE_SIZE, NUM_SPLITS, HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS,
+        DOT_PRECISION, SPLIT_NEW_KEYS)
 
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
+    else:
+        _store_rows(part_out_ptr + split * stride_ps, q_rows, head, dims, stride_pt, stride_ph, store_mask,
+                    normed)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+        counter = counters_ptr + tile * tl.num_programs(1) + kv_head
+        arrived = _arrive(counter)
+        if arrived == NUM_SPLITS - 1:  # the last split of this tile to arrive merges, then resets
+            merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
+                                   stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, SPLITS_PAD)
+            _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, merged)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_rows(dst_ptr, token, head, dims, stride_t, stride_h, mask, values):
+    """values [BLOCK_M, BLOCK_D] into rows (token, head) of a [T, H, D]-strided tensor, in its dtype."""
+    dst = dst_ptr + token[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
+    tl.store(dst, values.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, head, row_ok, pos, q_first, q_len, ctx_len, q_start, split, table, cache_head, stride_cb, stride_cs,
+    stride_ckv, k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr,
+):
+    """Unnormalised output, running max and sum (log2 domain) of one tile over this split's keys."""
     # keys visible to some row of this tile, then this split's share of them
     kv_hi = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len)
     kv_lo = 0
@@ -131,63 +148,56 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:
         if split == 0:  # the sink is one virtual key: counted once, in the first split
-            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    cache_head = cache_ptr + kv_head * stride_ch
-    table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    # Whole key blocks that every row of the tile sees (at or before its first position) need no
-    # mask; only the blocks on the diagonal (and, with a window, all of them) are masked.
-    if HAS_WINDOW:
-        unmasked_end = kv_lo
-    else:
+    new_row0 = q_start - ctx_len  # input row of key j: q_start + j - ctx_len
+    # The step's new keys [new_lo, kv_hi) first, from the inputs: whole blocks every row sees
+    # (unmasked; only worth a loop of its own when tiles have many new keys), then the diagonal.
+    # They come first because their loads need no block table: a decode's single new-key block is
+    # fetched in the same round trip as q. Then the cached keys [kv_lo, ctx_len), from the pool,
+    # masked only past their end (and outside a window).
+    new_lo = tl.maximum(kv_lo, ctx_len)
+    diag_lo = new_lo
+    if SPLIT_NEW_KEYS and not HAS_WINDOW:
         seen_by_all = tl.minimum(kv_hi, ctx_len + q_first + 1)
-        unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(kv_lo, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_keys(
-            q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
-            dims, dim_ok, scale, softcap, window, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False)
-    for start in range(unmasked_end, kv_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_keys(
-            q, acc, m_i, l_i, start, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
-            dims, dim_ok, scale, softcap, window, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True)
-
-    normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, normed.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        part = part_out_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(part + dims[None, :], normed, mask=store_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+        diag_lo = new_lo + tl.maximum(seen_by_all - new_lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_range(
+            q, acc, m_i, l_i, new_lo, diag_lo, kv_hi, pos, table, cache_head, stride_cb, stride_cs,
+            stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+            BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False, MASK_NONE)
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, diag_lo, kv_hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
+        k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+        BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False, MASK_FULL)
+    cached_hi = tl.minimum(kv_hi, ctx_len)
+    CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, kv_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
+        stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+        BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True, CACHED_MASK)
+    return acc, m_i, l_i
 
 
 @triton.jit
-def _combine_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_ptr, num_seqs,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """out[t, h] = sum_s w_s * partial_s with w_s proportional to 2^lse_s (tokens of some sequence only)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if token >= tl.load(cu_seqlens_ptr + num_seqs):
-        return  # padding row, zeroed by the cache-write kernel
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + splits * stride_ls + token * stride_lt + head,
-                  mask=splits < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    mask = (splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM)
-    parts = tl.load(part_out_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
-                    mask=mask, other=0.0)
-    total = tl.sum(weight, 0)
-    merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+def _arrive(counter):
+    """Count this split's arrival at its tile's counter, after its partials are stored; returns the
+    number of splits that arrived before it.
+
+    Memory ordering (PTX memory model): every thread stored its share of the partials before the
+    barrier, and the barrier orders those stores before the one atomic that Triton issues from a
+    single thread for a scalar; that atomic releases at GPU scope, and release is cumulative, so it
+    publishes the stores of the whole CTA (CUDA's cooperative-groups grid sync relies on this same
+    bar.sync + one-thread gpu-scope release; the sm_90 SASS is MEMBAR.ALL.GPU, ATOMG.ADD.STRONG.GPU,
+    CCTL.IVALL on thread 0). The increments of one counter form one modification order, so the split
+    that reads NUM_SPLITS - 1 acquires (GPU scope) after every other split's release; Triton
+    broadcasts the atomic's result to the CTA through shared memory behind a barrier, which orders
+    every thread's partial loads after that acquire, and those loads bypass L1 (``.cg``) so no stale
+    line can be hit. The last split then resets the counter: nobody else touches it in this launch,
+    and kernel boundaries order the reset before the next launch or replay.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
 def paged_attention_fwd(
@@ -205,7 +215,8 @@ def paged_attention_fwd(
     sinks: torch.Tensor | None = None,
     launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
-    """Write k/v into ``kv_cache``, then paged causal attention of q [T, Hq, D]; returns [T, Hq, D].
+    """Write k/v into ``kv_cache`` and run paged causal attention of q [T, Hq, D] in one launch;
+    returns [T, Hq, D] (rows of padding tokens past ``cu_seqlens[-1]`` are zero).
 
     ``launch`` overrides the block sizes and split count chosen from the shapes (tests use it).
     """
@@ -213,39 +224,33 @@ def paged_attention_fwd(
     num_kv_heads = k.shape[1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    write_kv_cache(k, v, kv_cache, slot_mapping, out, cu_seqlens)
-    num_seqs = cu_seqlens.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0:
         return out
+    num_seqs = cu_seqlens.shape[0] - 1
+    max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     launch = launch or AttentionLaunch.choose(
-        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_table.shape[1] * kv_cache.shape[2], q.device
-    )
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, max_kv_len, q.device)
     group = num_heads // num_kv_heads
     block_q = launch.block_q(group)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, launch.num_splits)
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
+    counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
     has_window = sliding_window is not None and sliding_window > 0
     _paged_attention_kernel[grid](
-        out, part_out, part_lse, q, kv_cache, sinks if sinks is not None else q,
-        context_lens, cu_seqlens, block_table, num_seqs,
+        out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q,
+        context_lens, cu_seqlens, block_table, slot_mapping, num_seqs, num_tokens,
         float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         PAGE_SIZE=kv_cache.shape[2], NUM_SPLITS=launch.num_splits,
+        SPLITS_PAD=triton.next_power_of_2(launch.num_splits), SEARCH_BLOCK=SEARCH_BLOCK,
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if launch.num_splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, cu_seqlens, num_seqs,
-            out.stride(0), out.stride(1), *part_out.stride()[:3], *part_lse.stride()[:2],
-            NUM_SPLITS=launch.num_splits, SPLITS_PAD=triton.next_power_of_2(launch.num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-        )
     return out
 
 
@@ -259,3 +264,24 @@ def _partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
             torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still use them
+
+
+def split_counters(size: int, device: torch.device) -> torch.Tensor:
+    """At least ``size`` int32 arrival counters of the split merge on ``device``, all zero.
+
+    Persistent and zeroed once, not per call: every launch leaves its counters at zero again. A
+    buffer is replaced (by one of the next power of two) only when too small; the old one stays
+    alive for the graphs captured with it. Launches that share a device share the counters, so two
+    split launches must not run concurrently on different streams of one device.
+    """
+    buffer = _COUNTERS.get(device)
+    if buffer is None or buffer.numel() < size:
+        if buffer is not None:
+            _RETIRED_COUNTERS.append(buffer)
+        # Outside a capture this is a one-time memset; inside one (a size the warm-up did not
+        # allocate) the memset is captured too and re-zeroes the fresh buffer on every replay.
+        buffer = torch.zeros(triton.next_power_of_2(size), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buffer
+    return buffer

@@ -1,10 +1,11 @@
-"""The Triton paged-attention kernels against the reference op (interpreter, fp32/fp16)."""
+"""The Triton paged-attention kernel (one launch: cache write, attention, split merge) against the
+reference op (interpreter, fp32/fp16)."""
 
 import pytest
 import torch
 
 from autodeploy.kernels.attention_config import AttentionLaunch
-from autodeploy.kernels.paged_attention import paged_attention_fwd
+from autodeploy.kernels.paged_attention import paged_attention_fwd, split_counters
 from paged_batches import random_cache, shuffled_blocks, step_metadata
 
 REFERENCE = torch.ops.autodeploy.paged_attention
@@ -13,17 +14,19 @@ MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]
 
 
 def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None, softcap=None, sinks=False,
-             pad_tokens=0):
+             pad_tokens=0, cache_dtype=None, seed=0):
+    torch.manual_seed(seed)
     blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=64)
     query_lens, context_lens, cu, table, slots = step_metadata(
         [(c, n, b) for (c, n), b in zip(seqs, blocks)], page, pad_tokens)
     tokens = slots.shape[0]
     q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (heads, kv_heads, kv_heads))
     sink_logits = torch.randn(heads) if sinks else None
-    cache = random_cache(64, page, kv_heads, head_dim, dtype)
+    cache = random_cache(64, page, kv_heads, head_dim, cache_dtype or dtype)
     want_cache, got_cache = cache.clone(), cache.clone()
-    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, window, softcap, sink_logits)
-    got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, window, softcap, sink_logits,
+    features = (window, softcap, sink_logits)
+    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, *features)
+    got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, *features,
                               launch=launch)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
@@ -36,6 +39,15 @@ def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mixed_batch_matches_reference(dtype, heads, kv_heads, splits):
     _compare(MIXED, heads, kv_heads, 16, dtype, AttentionLaunch(16, 16, splits))
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["new-keys-in-two-loops", "new-keys-in-one-loop"])
+@pytest.mark.parametrize("heads,kv_heads", [(7, 1), (8, 2)], ids=["group7", "group4"])
+def test_both_loop_structures_on_a_mixed_batch(decode, heads, kv_heads):
+    """Decode launches walk the new keys in one masked loop; prefill launches split off the keys every row
+    sees. Both must be right for any step (a decode-shaped step may hold a prefill chunk)."""
+    _compare([(9, 1), (0, 11), (21, 6), (4, 1)], heads, kv_heads, 16, torch.float32,
+             AttentionLaunch(32, 8, 2, decode=decode))
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 80])
@@ -55,9 +67,47 @@ def test_long_contexts_mix_unmasked_and_diagonal_blocks(splits):
     _compare([(150, 3), (40, 30), (0, 45)], 4, 2, 16, torch.float16, AttentionLaunch(32, 16, splits), page=8)
 
 
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_decode_splits_some_with_no_keys(splits):
+    """Decodes only, one new key each; with short contexts the last splits get no key at all, and a
+    context of a whole number of key blocks puts the new key in a block of its own."""
+    seqs = [(37, 1), (2, 1), (16, 1), (0, 1), (63, 1)]
+    _compare(seqs, 8, 2, 16, torch.float32, AttentionLaunch(16, 16, splits, decode=True), page=4)
+    _compare(seqs, 8, 2, 16, torch.float32, AttentionLaunch(16, 16, splits, decode=True), page=8, sinks=True)
+
+
+def test_consecutive_launches_leave_the_split_counters_at_zero():
+    """The last split to arrive resets its counter, so a second launch (or graph replay) merges right."""
+    launch = AttentionLaunch(16, 16, 4, decode=True)
+    for seed in range(2):
+        _compare([(40, 1), (25, 1), (9, 1)], 4, 2, 16, torch.float32, launch, seed=seed)
+        assert not split_counters(1, torch.device("cpu")).any()
+
+
 def test_padding_rows_are_zero_and_write_nowhere():
     out = _compare([(2, 3), (4, 0), (0, 2)], 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2), pad_tokens=3)
     assert out[-3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("pad_tokens", [1, 9])
+def test_cuda_graph_padding_across_several_tiles(pad_tokens):
+    """A padded decode batch: padding tokens (slot -1) past the real ones, padding sequences with no tokens;
+    more padding tokens than one tile's BLOCK_Q so that several programs zero rows."""
+    seqs = [(5, 1), (11, 1), (0, 0), (0, 0)]
+    launch = AttentionLaunch(16, 16, 3, decode=True)
+    out = _compare(seqs, 8, 2, 16, torch.float32, launch, pad_tokens=pad_tokens)
+    assert out[2:].abs().max() == 0
+
+
+def test_a_step_of_padding_only():
+    launch = AttentionLaunch(16, 16, 2, decode=True)
+    out = _compare([(0, 0), (0, 0)], 4, 2, 16, torch.float16, launch, pad_tokens=5)
+    assert out.abs().max() == 0
+
+
+def test_cache_in_another_dtype_than_the_inputs():
+    """New keys are attended to as the pool stores them (rounded to its dtype), like the reference."""
+    _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2), cache_dtype=torch.float16)
 
 
 def test_tiles_larger_than_pages_and_pages_larger_than_tiles():
@@ -69,7 +119,8 @@ def test_default_launch_choice():
     cpu = torch.device("cpu")  # the interpreter pretends to be one SM wanting 12 programs
     decode = AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, cpu)
     prefill = AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu)
-    assert (decode.block_m, decode.block_q(4), decode.num_splits) == (16, 4, 1) and prefill.block_m == 128
+    assert (decode.block_m, decode.block_q(4), decode.num_splits, decode.decode) == (16, 4, 1, True)
+    assert prefill.block_m == 128 and not prefill.decode
     assert AttentionLaunch.choose(1, 1, 32, 8, 128, 4096, cpu).num_splits == 2  # 8 tiles -> 2 splits
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 12
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split

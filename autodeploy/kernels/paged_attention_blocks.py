@@ -1,0 +1,159 @@
+"""Building blocks (``@triton.jit`` helpers) of the paged-attention kernel in ``paged_attention.py``.
+
+Keys come from two places: positions ``< context_len`` from the paged pool, the step's own new keys
+(positions ``context_len ..``) straight from the ``k``/``v`` inputs. The kernel writes those new keys
+into the pool in the same launch, so it must never read them back from there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# Masking of a key block's scores (constexpr): none (every row sees every key), only keys past the
+# range's end (cached keys: no row's position is before them), or causal + window + end.
+MASK_NONE = tl.constexpr(0)
+MASK_TAIL = tl.constexpr(1)
+MASK_FULL = tl.constexpr(2)
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """Largest b <= num_seqs with cu_seqlens[b] // BLOCK_Q + b <= tile: the sequence owning ``tile``,
+    or ``num_seqs`` for a tile past every sequence's (one that zeroes padding rows).
+
+    The first tiles are nondecreasing in b, so b is a count; it is taken over blocks of
+    ``SEARCH_BLOCK`` sequences whose loads are independent (one memory round trip for a decode
+    batch of up to SEARCH_BLOCK - 1 sequences, where a binary search needs log2(B) dependent ones).
+    """
+    count = tl.zeros([], dtype=tl.int32)
+    for first in range(0, num_seqs + 1, SEARCH_BLOCK):
+        b = first + tl.arange(0, SEARCH_BLOCK)
+        inside = b <= num_seqs
+        starts = tl.load(cu_seqlens_ptr + b, mask=inside, other=0)
+        count += tl.sum(((starts // BLOCK_Q + b <= tile) & inside).to(tl.int32), 0)
+    return count - 1
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp; saturates correctly at +-inf in fp32
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_key_block(
+    keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head, v_head, new_row0,
+    stride_kt, stride_vt, dims, dim_ok, PAGE_SIZE: tl.constexpr, FROM_POOL: tl.constexpr,
+):
+    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of ``keys`` (masked-out keys read as 0), from the
+    pool or from the step's inputs; new keys are rounded through the pool's dtype, as the reference
+    reads them back from the pool."""
+    if FROM_POOL:
+        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
+        k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
+        v_src = k_src + stride_ckv
+    else:
+        row = (keys + new_row0).to(tl.int64)  # input row of key j: cu_seqlens[b] + j - context_len
+        k_src = k_head + row * stride_kt
+        v_src = v_head + row * stride_vt
+    # V is issued right after K, not after the K dot: both loads are in flight together
+    k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    v = tl.load(v_src[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    if not FROM_POOL:
+        cache_ty = cache_head.dtype.element_ty
+        k_t, v = k_t.to(cache_ty), v.to(cache_ty)
+    return k_t, v
+
+
+@triton.jit
+def _softmax_step(
+    q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK: tl.constexpr,
+):
+    """One online-softmax update (log2 domain, fp32) of acc/m_i/l_i with one block of keys."""
+    s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s = s * LOG2E
+    if MASK == MASK_TAIL:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    elif MASK == MASK_FULL:
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = m_new
+    if MASK == MASK_FULL:  # rows with nothing visible yet keep m = -inf; exponentiate against 0 instead
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attend_range(
+    q, acc, m_i, l_i, lo, hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
+    k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr,
+):
+    """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out)."""
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < kv_hi
+        k_t, v = _load_key_block(keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head,
+                                 v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, PAGE_SIZE, FROM_POOL)
+        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
+                                      HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _write_new_kv(
+    k_head, v_head, slot_ptr, cache_head, q_rows, first_of_token, stride_kt, stride_vt,
+    stride_cb, stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE: tl.constexpr,
+):
+    """Write the tile's new K/V rows of one KV head into the pool at ``slot_mapping`` (-1 = skip).
+
+    Rows follow the tile's [token x query head] layout; ``first_of_token`` picks one row per token.
+    """
+    slot = tl.load(slot_ptr + q_rows, mask=first_of_token, other=-1)
+    ok = (slot >= 0)[:, None] & dim_ok[None, :]
+    dst = cache_head + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+    cache_ty = cache_head.dtype.element_ty
+    key = tl.load(k_head + q_rows[:, None] * stride_kt + dims[None, :], mask=ok)
+    value = tl.load(v_head + q_rows[:, None] * stride_vt + dims[None, :], mask=ok)
+    tl.store(dst[:, None] + dims[None, :], key.to(cache_ty), mask=ok)
+    tl.store(dst[:, None] + stride_ckv + dims[None, :], value.to(cache_ty), mask=ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """sum_s w_s * partial_s with w_s proportional to 2^lse_s, for the rows of one tile.
+
+    Loads bypass L1 (``.cg``): the partials were written by other SMs, L2 is the coherent copy.
+    """
+    splits = tl.arange(0, SPLITS_PAD)
+    lse_rows = part_lse_ptr + q_rows * stride_lt + head
+    lse_mask = (splits < NUM_SPLITS)[:, None] & row_ok[None, :]
+    lse = tl.load(lse_rows[None, :] + splits[:, None] * stride_ls, mask=lse_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m[None, :]), 0)
+    parts = part_out_ptr + q_rows[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
+    mask = row_ok[:, None] & dim_ok[None, :]
+    merged = tl.zeros(parts.shape, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(lse_rows + s * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse_s - m)
+        merged += weight[:, None] * tl.load(parts + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return merged / tl.where(total > 0, total, 1.0)[:, None]
