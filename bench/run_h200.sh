@@ -36,7 +36,7 @@ for s in "$@"; do
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
     offline128) config_dir 8b; section offline128 200 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
-        --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
+        --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 512 --max_num_tokens 8192 \
         --max_seq_len 1024 --output_json "$OUT/offline128.json" --log_level warning ;;
     offline1000) config_dir 8b; section offline1000 240 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \

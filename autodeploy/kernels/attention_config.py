@@ -13,6 +13,7 @@ import torch
 
 MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
 MAX_SPLITS = 64
+DECODE_TOKENS_PER_SEQ = 4  # at most this many tokens per sequence on average: the decode launch
 # Programs wanted per SM before splitting the keys. A decode program (108-128 registers x 128
 # threads, 39 KB smem: bench/compile_sm90.py) fits 4 per SM: 12 is 3 waves, so the last, partial
 # wave idles little.
@@ -58,7 +59,10 @@ class AttentionLaunch:
         would leave SMs idle, flash-decoding splits over the keys; prefill gets 128-row tiles."""
         group_pad = _next_pow2(num_heads // num_kv_heads)
         block_n = 64 if head_dim <= 128 else 32
-        decode = num_tokens <= 2 * num_seqs
+        # Few tokens per sequence (decodes, maybe with a short prompt chunk): 16-row tiles. A mixed
+        # step under the prefill config gives every decode a 128-row tile of which one row is real
+        # (H200: 248 decodes + 2 x 128 prompt tokens, attention 390 us per layer).
+        decode = num_tokens <= DECODE_TOKENS_PER_SEQ * num_seqs
         if decode:
             block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
         else:
@@ -72,12 +76,17 @@ class AttentionLaunch:
 
 
 def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:
-    """Flash-decoding splits: enough programs to fill the GPU, each streaming enough keys."""
+    """Flash-decoding splits: enough programs to fill the GPU, each streaming enough keys.
+
+    A power of two: the split count is a constexpr, and every distinct value is one more kernel
+    for Triton to compile when an eager step first meets it (seconds, while requests wait).
+    """
     if tiles >= target_programs:
         return 1
     wanted = -(-target_programs // tiles)
     by_length = max(1, max_kv_len // MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 def _sm_count_of(device: torch.device) -> int:

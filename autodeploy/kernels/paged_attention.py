@@ -41,7 +41,12 @@ from .paged_attention_blocks import (
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _find_sequence)
 
 
-@triton.jit
+# Values that change from step to step: specializing on them (== 1, divisible by 16) would compile
+# new kernels while an engine serves, so they are plain runtime integers.
+_DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt", "stride_ps", "stride_ls"]
+
+
+@triton.jit(do_not_specialize=_DYNAMIC_ARGS)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, sinks_ptr,
     context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, num_seqs, num_tokens,

@@ -122,6 +122,8 @@ def test_default_launch_choice():
     assert (decode.block_m, decode.block_q(4), decode.num_splits, decode.decode) == (16, 4, 1, True)
     assert prefill.block_m == 128 and not prefill.decode
     assert AttentionLaunch.choose(1, 1, 32, 8, 128, 4096, cpu).num_splits == 2  # 8 tiles -> 2 splits
-    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 12
+    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 8  # 12 wanted, a power of two
+    assert AttentionLaunch.choose(250 + 256, 252, 32, 8, 128, 4096, cpu).decode  # decodes + 2 prompt chunks
+    assert not AttentionLaunch.choose(5 * 64, 64, 32, 8, 128, 4096, cpu).decode
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
