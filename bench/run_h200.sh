@@ -30,7 +30,7 @@ for s in "$@"; do
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
-    equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 ;;
+    equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 --dtype float32 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;
     gemm_small) section gemm_small 150 python3 bench/gemm_sweep.py --shape smollm2 --batches 1,8 ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
