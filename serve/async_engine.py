@@ -147,10 +147,22 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self.on_outputs is not None and outputs:
             self.on_outputs(outputs)
+        # One hand-over per event loop and step, not one per request: each call_soon_threadsafe
+        # wakes the loop through its self-pipe (a system call) and takes the GIL back and forth.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
-            self._deliver(out.request_id, out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

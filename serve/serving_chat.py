@@ -81,7 +81,7 @@ class _ChatView:
 
     def _chunk(self, choice: ChatStreamChoice) -> str:
         chunk = ChatCompletionChunk(id=self.request_id, model=self.state.served_model_name, choices=[choice])
-        return sse(chunk.model_dump(exclude={"usage"}))
+        return sse(chunk, exclude={"usage"})
 
     def _logprobs(self, choice: CompletionOutput) -> ChatLogprobs | None:
         if not self.body.logprobs:

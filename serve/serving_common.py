@@ -78,8 +78,10 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
     return params
 
 
-def sse(payload: BaseModel | dict) -> str:
-    data = payload.model_dump_json(exclude_unset=False) if isinstance(payload, BaseModel) else json.dumps(payload)
+def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    """One server-sent event. Models serialize straight to JSON in pydantic's Rust core (a streamed
+    token costs one of these: through a dict and ``json.dumps`` it took 3x longer)."""
+    data = payload.model_dump_json(exclude=exclude) if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 

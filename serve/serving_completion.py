@@ -68,7 +68,7 @@ class _CompletionView:
                     completion_tokens += len(choice.token_ids)
                 if choices:
                     chunk = CompletionResponse(id=self.request_id, model=self.state.served_model_name, choices=choices)
-                    yield sse(chunk.model_dump(exclude={"usage"}))
+                    yield sse(chunk, exclude={"usage"})
             if self.body.include_usage:
                 usage = UsageInfo(prompt_tokens=sum(prompt_tokens.values()), completion_tokens=completion_tokens,
                                   total_tokens=sum(prompt_tokens.values()) + completion_tokens)
