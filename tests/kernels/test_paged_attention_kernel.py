@@ -127,3 +127,20 @@ def test_default_launch_choice():
     assert not AttentionLaunch.choose(5 * 64, 64, 32, 8, 128, 4096, cpu).decode
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
+
+
+def test_an_engine_meets_few_launch_variants(monkeypatch):
+    """Each distinct launch config is a Triton compile when an eager step first meets it (seconds on
+    the H200, while requests wait): every step shape an engine of max batch 512 and 8192 tokens
+    per step can run, with any block-table width, maps onto a handful of configs."""
+    import autodeploy.kernels.attention_config as config
+
+    monkeypatch.setattr(config, "_sm_count_of", lambda device: 132)
+    seen = set()
+    for seqs in range(1, 513):
+        for tokens in {seqs, seqs + 1, 2 * seqs, 4 * seqs, 4 * seqs + 1, 8192}:
+            if tokens >= seqs:
+                for max_kv in (16, 544, 4096, 131072):
+                    seen.add(AttentionLaunch.choose(tokens, seqs, 32, 8, 128, max_kv, torch.device("cuda")))
+    assert {launch.num_splits for launch in seen} <= {1, 2, 4, 8, 16, 32, 64}
+    assert len(seen) <= 2 * 7, sorted(seen, key=str)  # decode or prefill tiles x 7 split counts (was ~2 x 64)
