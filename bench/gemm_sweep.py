@@ -13,12 +13,15 @@ the time inside a CUDA graph (weights rotated through copies larger than L2) and
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+import kernels_gpu  # the CUDA-graph timing harness (this folder)
 
 SHAPES = {
     "llama8b": {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
@@ -53,25 +56,7 @@ def skinny_gemm(x, w, out, block_n, block_k, stages, warps):
 
 def graph_us(fn_per_copy, copies: int, reps: int = 20) -> float:
     """Median time of one call inside a CUDA graph that cycles through ``copies`` weight copies."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn_per_copy(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+    return kernels_gpu.graph_us([functools.partial(fn_per_copy, i) for i in range(copies)], reps)
 
 
 def main() -> None:
