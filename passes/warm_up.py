@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from autodeploy.export import get_tensor_attr
 from autodeploy.kvcache.allocator import blocks_needed
 from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
@@ -22,6 +23,9 @@ from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResul
 
 class WarmUpConfig(PassConfig):
     on_cpu: bool = False  # tests run the steps on the CPU too
+    # every Triton attention launch config the engine's limits allow (~12: about 10 s of compiling on a
+    # fresh H200 machine, ~0 once Triton's disk cache has them); off: the first steps that need one wait
+    attention_variants: bool = True
 
 
 class WarmUp(Pass):
@@ -41,9 +45,32 @@ class WarmUp(Pass):
             for chunks in steps:
                 batch = BatchMetadata.build(chunks, block_size, ctx.device)
                 ctx.gm(**batch.as_kwargs(), **pool.as_kwargs())
+        launches = self._attention_launches(ctx) if self.config.attention_variants else 0
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        return PassResult(len(steps), f"{len(steps)} eager steps in {time.perf_counter() - start:.1f} s")
+        return PassResult(len(steps), f"{len(steps)} eager steps, {launches} attention launch variants "
+                                      f"in {time.perf_counter() - start:.1f} s")
+
+    def _attention_launches(self, ctx: CompileContext) -> int:
+        """Launch every reachable Triton attention config once per distinct layer setting."""
+        from autodeploy.kernels.attention_warmup import warm_up_launches
+
+        target = torch.ops.autodeploy.paged_attention_triton.default
+        caches, cfg, done, count = ctx.artifacts["kv_pool"].as_kwargs(), ctx.config, set(), 0
+        for node in ctx.gm.graph.find_nodes(op="call_function", target=target):
+            q, cache = node.args[0].meta["val"], caches[node.args[3].target]
+            sinks = node.kwargs.get("sinks")
+            sinks = get_tensor_attr(ctx.gm, sinks.target) if sinks is not None else None
+            settings = (q.shape[1], q.dtype, node.kwargs["scale"], node.kwargs.get("sliding_window"),
+                        node.kwargs.get("logit_softcap"), sinks is not None, tuple(cache.shape), cache.dtype)
+            if settings in done:
+                continue
+            done.add(settings)
+            count += warm_up_launches(cache, q.shape[1], q.dtype, node.kwargs["scale"],
+                                      node.kwargs.get("sliding_window"), node.kwargs.get("logit_softcap"), sinks,
+                                      cfg.max_batch_size, cfg.max_num_tokens,
+                                      ctx.artifacts["kv_capacity"].max_blocks_per_seq)
+        return count
 
 
 def warm_up_steps(block_size: int, num_blocks: int, config) -> list[list[SequenceChunk]]:

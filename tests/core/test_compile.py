@@ -119,3 +119,12 @@ def test_warm_up_is_skipped_on_the_cpu_by_default(compiled):
     model, _ = compiled
     record = next(r for r in model.report.passes if r.name == "warm_up")
     assert record.matches == 0 and "skipped" in record.detail
+
+
+def test_warm_up_launches_the_triton_attention_variants(tiny_llama):
+    model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True}}, attention_backend="triton",
+                               max_batch_size=4, max_num_tokens=32, **CPU)
+    detail = next(r for r in model.report.passes if r.name == "warm_up").detail
+    variants = int(detail.split(" attention launch variants")[0].rsplit(" ", 1)[-1])
+    assert variants >= 2  # decode-like and prefill-like launches at least
+    assert run_check(tiny_llama, compiled=model, steps=2, prompt_lens=(5, 9), chunk_size=4).passed

@@ -1,0 +1,33 @@
+"""The start-up warm-up of the Triton attention: every launch config an engine can meet, each once."""
+
+import pytest
+import torch
+
+import autodeploy.kernels.attention_config as config
+from autodeploy.kernels.attention_config import AttentionLaunch
+from autodeploy.kernels.attention_warmup import reachable_launches, warm_up_launches
+
+
+@pytest.mark.parametrize("heads, kv_heads, page", [(32, 8, 16), (16, 1, 32), (9, 3, 16)])
+def test_reachable_launches_are_exactly_those_of_every_step_shape(monkeypatch, heads, kv_heads, page):
+    monkeypatch.setattr(config, "_sm_count_of", lambda device: 132)
+    max_batch, max_tokens, max_blocks, cuda = 24, 160, 20, torch.device("cuda")
+    brute = {
+        AttentionLaunch.choose(tokens, seqs, heads, kv_heads, 128, width * page, cuda)
+        for seqs in range(1, max_batch + 1)
+        for tokens in range(seqs, max_tokens + 1)
+        for width in range(1, max_blocks + 1)
+    }
+    found = reachable_launches(heads, kv_heads, 128, page, max_batch, max_tokens, max_blocks, cuda)
+    assert set(found) == brute
+    for launch, (tokens, seqs, width) in found.items():  # each representative shape picks its launch
+        assert AttentionLaunch.choose(tokens, seqs, heads, kv_heads, 128, width * page, cuda) == launch
+        assert seqs <= tokens <= max_tokens and seqs <= max_batch and width <= max_blocks
+
+
+def test_warm_up_launches_each_config_and_writes_nothing():
+    cache = torch.randn(6, 2, 4, 2, 16)
+    before = cache.clone()
+    count = warm_up_launches(cache, 4, torch.float32, 0.25, None, None, None, max_batch=3, max_tokens=12, max_blocks=4)
+    assert count == len(reachable_launches(4, 2, 16, 4, 3, 12, 4, torch.device("cpu"))) >= 2
+    assert torch.equal(cache, before)
