@@ -59,11 +59,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> dict[str, torch.Tensor]:
         """Token ids ``[B]`` (and log-probabilities if any row wants them), still on the device."""
         params = [s.params for s in seqs]
+        if all(p.greedy and p.logprobs is None and not p.uses_penalties and not p.min_tokens for p in params):
+            # the common case, kept to one kernel: argmax of the model's dtype (exact in fp32 too)
+            return {"token_ids": logits.argmax(dim=-1)}
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, seqs)
-        logits = self._mask_early_stops(logits, seqs)
+        if any(p.min_tokens for p in params):
+            logits = self._mask_early_stops(logits, seqs)
         token_ids = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             token_ids = torch.where(

@@ -37,6 +37,20 @@ def test_greedy_rows_take_the_argmax_and_mix_with_sampled_rows():
     assert out["token_ids"].tolist() == [1, 3]
 
 
+def test_plain_greedy_is_the_argmax_in_the_model_dtype():
+    """The fast path (no logprobs, penalties or min_tokens) skips the fp32 copy of the logits: same ids."""
+    logits = torch.randn(16, 1000).to(torch.bfloat16)
+    logits[3] = -1.0
+    logits[3, 10] = logits[3, 20] = 1.0  # a tie: both paths take the first index
+    seqs = [_seq(SamplingParams(temperature=0)) for _ in range(16)]
+    out = Sampler(1000, torch.device("cpu")).sample(logits, seqs)
+    assert list(out) == ["token_ids"] and out["token_ids"].tolist() == logits.float().argmax(-1).tolist()
+    assert out["token_ids"][3] == 10
+    seqs[-1] = _seq(SamplingParams(temperature=0, logprobs=1))  # the general path
+    with_logprobs = Sampler(1000, torch.device("cpu")).sample(logits, seqs)
+    assert with_logprobs["token_ids"].tolist() == out["token_ids"].tolist() and "logprob" in with_logprobs
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0])
     logits = torch.log(probs).expand(4000, -1)
