@@ -147,22 +147,23 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self.on_outputs is not None and outputs:
             self.on_outputs(outputs)
-        # One hand-over per event loop and step, not one per request: each call_soon_threadsafe
-        # wakes the loop through its self-pipe (a system call) and takes the GIL back and forth.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        self._deliver_all([(out.request_id, out) for out in outputs])
 
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their requests' streams: one call per event loop, not one per item (each
+        call_soon_threadsafe wakes the loop through its self-pipe and takes the GIL back and forth)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, queued in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, queued)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in items:
         q.put_nowait(item)

@@ -113,7 +113,8 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
-        steps.append((engine.last_batch_size, engine.last_num_tokens, (now - before) * 1e3))
+        ran = engine.last_schedule
+        steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3))
         for out in outputs:
             for _ in range(sum(len(c.token_ids) for c in out.outputs)):
                 token_times.setdefault(out.request_id, []).append(now)

@@ -28,7 +28,7 @@ from autodeploy.sampling_params import SamplingParams
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import ModelRunner, StepResult
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import Schedule, Scheduler
 from .sequence import Request, Sequence, new_sequences
 
 log = logging.getLogger("autodeploy.serve.engine")
@@ -81,8 +81,7 @@ class Engine:
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._unreported: list[Sequence] = []  # sampled last step, detokenized next step (overlap)
-        self.last_batch_size = 0  # sequences in the last step
-        self.last_num_tokens = 0  # tokens in the last step (more than its sequences when it prefills)
+        self.last_schedule = Schedule(())  # what the last step ran (benchmarks read it)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -140,7 +139,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the reports of the requests that changed."""
         schedule = self.scheduler.schedule()
-        self.last_batch_size, self.last_num_tokens = len(schedule.chunks), schedule.num_tokens
+        self.last_schedule = schedule
         if not schedule.chunks and not self._unreported and self.scheduler.has_work:
             # cannot happen when requests are validated against the pool size; never spin silently
             raise RuntimeError("the scheduler made no progress with requests waiting")

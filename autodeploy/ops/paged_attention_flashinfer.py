@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UnsupportedPatternError
 from .attention_backends import AttentionBackend
+from .paged_attention import paged_attention_fake
 
 
 @torch.library.custom_op("autodeploy::paged_attention_flashinfer", mutates_args=("kv_cache",))
@@ -42,10 +43,7 @@ def paged_attention_flashinfer(
     )
 
 
-@paged_attention_flashinfer.register_fake
-def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
-      sliding_window=None, logit_softcap=None, sinks=None):
-    return torch.empty_like(q)
+paged_attention_flashinfer.register_fake(paged_attention_fake)
 
 
 def flashinfer_runs_on(device: torch.device) -> str | None:

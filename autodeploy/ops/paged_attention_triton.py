@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention_backends import AttentionBackend, triton_runs_on
+from .paged_attention import paged_attention_fake
 
 
 @torch.library.custom_op("autodeploy::paged_attention_triton", mutates_args=("kv_cache",))
@@ -37,10 +38,7 @@ def paged_attention_triton(
     )
 
 
-@paged_attention_triton.register_fake
-def _(q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping, scale,
-      sliding_window=None, logit_softcap=None, sinks=None):
-    return torch.empty_like(q)
+paged_attention_triton.register_fake(paged_attention_fake)
 
 
 TRITON_BACKEND = AttentionBackend(
