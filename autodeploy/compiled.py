@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from .config import CompileConfig
 from .cudagraph import CudaGraphRunner
-from .kvcache.metadata import BatchMetadata, Padding, SequenceChunk, StepBuffers
+from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVCapacity, KVPool
 
 
@@ -97,14 +97,19 @@ class CompiledModel:
         return self.gm(**batch.as_kwargs(), **self.pool.as_kwargs())
 
     @torch.inference_mode()
-    def __call__(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+    def __call__(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None) -> torch.Tensor:
         """One step: logits ``[len(chunks), vocab]``; decode steps replay a CUDA graph when captured.
 
-        The returned tensor may be a view of a graph's static output: consume it before the next step.
+        ``deferred`` fills input ids that are still on the device (``PLACEHOLDER_TOKEN`` in the
+        chunks). The returned tensor may be a view of a graph's static output: consume it before the
+        next step.
         """
         if self.cuda_graphs is not None and self.cuda_graphs.fits(chunks):
-            return self.cuda_graphs.run(chunks)
-        return self.forward(self.prepare(chunks))
+            return self.cuda_graphs.run(chunks, deferred)
+        batch = self.prepare(chunks)
+        if deferred is not None:
+            deferred.write(batch.input_ids)
+        return self.forward(batch)
 
 
 def canonical_op_counts(gm: fx.GraphModule) -> dict[str, int]:

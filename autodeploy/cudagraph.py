@@ -15,7 +15,7 @@ import time
 import torch
 from torch import fx
 
-from .kvcache.metadata import BatchMetadata, Padding, SequenceChunk, StepBuffers
+from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVPool
 
 log = logging.getLogger("autodeploy.cudagraph")
@@ -77,10 +77,12 @@ class CudaGraphRunner:
             and max(len(c.block_ids) for c in chunks) <= self.max_blocks
         )
 
-    def run(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+    def run(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None) -> torch.Tensor:
         """Logits of a decode step; valid until the next replay of the same graph."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         captured = self.graphs[size]
         BatchMetadata.refill(chunks, self.pool.block_size, captured.pad, captured.buffers)
+        if deferred is not None:
+            deferred.write(captured.buffers.input_ids(captured.pad.num_tokens))
         captured.graph.replay()
         return captured.output[: len(chunks)]

@@ -6,7 +6,10 @@ sampled ids back to the host, as an engine step does) is timed for:
 
 - ``hf_eager``:   transformers, default attention, DynamicCache
 - ``hf_static``:  transformers with StaticCache + ``torch.compile(mode="reduce-overhead")``
-- ``autodeploy``: the compiled model (attention backend from ``--backend``, CUDA graphs)
+- ``autodeploy``: the compiled model (attention backend from ``--backend``, CUDA graphs), one bare
+  step after the other (metadata built and sampled ids read back between steps, serially)
+- ``autodeploy_engine``: the same model driven by the serving engine in steady state (scheduling,
+  metadata, greedy sampling, bookkeeping; with async scheduling they overlap the device's work)
 
 and printed as ms/step, output tokens/s and the share of the roofline: bytes that must be streamed
 per step (all linear weights incl. the LM head, plus the KV cache read) / measured copy bandwidth.
@@ -170,6 +173,12 @@ def bench_autodeploy(model, batch: int, context: int, steps: int) -> float:
     return timed_steps(step, steps)
 
 
+def bench_engine(model, batch: int, context: int, steps: int) -> float:
+    from autodeploy.serve.bench import engine_decode_step_ms
+
+    return engine_decode_step_ms(model, batch, context - 4, steps)  # prompt + a few tokens ~ context
+
+
 def run_shape(shape: str, args, bandwidth: float) -> list[Row]:
     cfg = llama_config(shape)
     batches = [int(b) for b in args.batches.split(",")]
@@ -198,6 +207,9 @@ def run_shape(shape: str, args, bandwidth: float) -> list[Row]:
         for b in batches:
             rows.append(Row(shape, b, "autodeploy", bench_autodeploy(model, b, args.context, args.steps), floor[b], note))
             print(rows[-1], flush=True)
+            if "engine" in args.impls:
+                rows.append(Row(shape, b, "autodeploy_engine", bench_engine(model, b, args.context, args.steps), floor[b]))
+                print(rows[-1], flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -220,7 +232,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", default="triton")
-    parser.add_argument("--impls", default="hf,autodeploy")
+    parser.add_argument("--impls", default="hf,autodeploy,engine", help="hf, autodeploy, engine (with autodeploy)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)

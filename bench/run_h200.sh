@@ -26,9 +26,10 @@ serving() {  # issue 3: TPOT at concurrency 1/16/64, then the bare decode step a
 for s in "$@"; do
   case $s in
     smoke) section smoke 200 python3 bench/gpu_smoke.py torch triton ;;
-    decode_ad) section decode_ad 300 python3 bench/decode_bench.py --impls autodeploy --json "$OUT/decode_ad.json" ;;
+    decode_ad) section decode_ad 360 python3 bench/decode_bench.py --impls autodeploy,engine --json "$OUT/decode_ad.json" ;;
     decode_hf) section decode_hf 420 python3 bench/decode_bench.py --impls hf --json "$OUT/decode_hf.json" ;;
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
+    sweep) section sweep 300 python3 bench/kernels_gpu.py --sweep ;;
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
     equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 --dtype float32 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;

@@ -152,6 +152,35 @@ def decode_step_ms(model, batch_size: int, context_len: int, iters: int = 10) ->
     return 1000 * (time.perf_counter() - start) / iters
 
 
+def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int = 20, warmup: int = 3,
+                          overlap: bool | None = None) -> float:
+    """Milliseconds of one engine decode step in steady state: ``batch_size`` sequences of
+    ``context_len`` prompt tokens, all decoding (scheduling, metadata, sampling and bookkeeping
+    included; with overlap they run while the device computes)."""
+    engine = Engine(model, None, EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap))
+    params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True, temperature=0, detokenize=False)
+    rng = random.Random(0)
+    for i in range(batch_size):
+        engine.add_request(str(i), [rng.randrange(model.vocab_size) for _ in range(context_len)], params)
+    while not _all_decoding(engine.last_schedule, batch_size):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    _sync(model.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(model.device)
+    ms = 1000 * (time.perf_counter() - start) / steps
+    for i in range(batch_size):
+        engine.abort_request(str(i))
+    return ms
+
+
+def _all_decoding(schedule, batch_size: int) -> bool:
+    return len(schedule.chunks) == batch_size and schedule.num_tokens == batch_size
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -5,11 +5,16 @@ mixed, see ``scheduler``), runs it, appends the sampled tokens, detokenizes, app
 conditions and returns a delta :class:`RequestOutput` for every request that changed. Finished
 and aborted sequences give their KV blocks back at once.
 
-Overlap: on CUDA the forward and the sampling are queued without waiting, so the host work of
-the previous step (detokenization, stop strings, building outputs) runs while the device computes
-this one. Stop strings are therefore checked one step late: a sequence they end may have run one
-more token, which is dropped. On the CPU nothing runs asynchronously and overlap would only delay
-outputs by a step, so it is off there by default.
+Overlap (async scheduling, as vLLM's and TensorRT-LLM's overlap scheduler): on CUDA, step n + 1 is
+scheduled and launched before step n's sampled tokens reach the host. Each token step n samples is a
+placeholder in its sequence until then, and step n + 1 reads it from the device (see ``runner``).
+While the device runs step n + 1, the host waits for step n's tokens and does all of step n's
+bookkeeping: stop tokens, prefix-cache keys, detokenization, stop strings, reports. So the device
+never waits for the host as long as the host's work per step is shorter than the device's. A
+sequence that step n stops has run one more token in step n + 1, which is dropped. Penalties need
+the tokens on the host, so a step with such a request waits for the previous one first. On the CPU
+nothing runs asynchronously and overlap would only delay outputs by a step, so it is off there by
+default; both modes give identical outputs.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
 from autodeploy.sampling_params import SamplingParams
 
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .runner import ModelRunner, StepResult
+from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
+
+from .runner import ModelRunner, PendingStep, StepResult
 from .sampler import Sampler
 from .scheduler import Schedule, Scheduler
-from .sequence import Request, Sequence, new_sequences
+from .sequence import Request, Sequence, Status, new_sequences
 
 log = logging.getLogger("autodeploy.serve.engine")
 
@@ -80,7 +87,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
-        self._unreported: list[Sequence] = []  # sampled last step, detokenized next step (overlap)
+        self._in_flight: PendingStep | None = None  # launched, its tokens not yet on the host (overlap)
         self.last_schedule = Schedule(())  # what the last step ran (benchmarks read it)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -110,8 +117,7 @@ class Engine:
         if seqs is None:
             return None
         for seq in seqs:
-            if not seq.is_finished:
-                self._detokenize(seq)  # tokens still waiting for their text (overlap)
+            seq.drop_pending_tokens()  # sampled by the step in flight: never reported
             if not seq.is_finished:
                 self._finish(seq, "abort", None)
         return self._request_output(request_id, seqs)
@@ -138,39 +144,61 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the reports of the requests that changed."""
+        reports = []
+        if self._in_flight is not None and not self._may_schedule_ahead(self._in_flight):
+            reports += self._resolve(self._in_flight)
+            self._in_flight = None
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
-        if not schedule.chunks and not self._unreported and self.scheduler.has_work:
+        if not schedule.chunks and self._in_flight is None and self.scheduler.has_work:
             # cannot happen when requests are validated against the pool size; never spin silently
             raise RuntimeError("the scheduler made no progress with requests waiting")
-        pending = self.runner.launch(schedule) if schedule.chunks else None
-        reports = self._report(self._unreported) if self.overlap else []
-        self._unreported = []
-        sampled = self._apply(schedule, pending.wait()) if pending is not None else []
-        if self.overlap:
-            self._unreported = sampled
-        else:
-            reports = self._report(sampled)
+        launched = self.runner.launch(schedule, self._in_flight) if schedule.chunks else None
+        if self._in_flight is not None:
+            reports += self._resolve(self._in_flight)  # while the device runs the step just launched
+        self._in_flight = self._mark_launched(launched) if launched is not None else None
+        if self._in_flight is not None and not self.overlap:
+            reports += self._resolve(self._in_flight)
+            self._in_flight = None
         return reports
 
-    def _apply(self, schedule, result: StepResult) -> list[Sequence]:
-        """Advance the sequences by what the step computed; stop them on stop tokens and length."""
-        sampled = []
-        for chunk in schedule.chunks:
+    def _may_schedule_ahead(self, in_flight: PendingStep) -> bool:
+        return self.overlap and not any(seq.params.uses_penalties for seq in in_flight.rows)
+
+    def _mark_launched(self, step: PendingStep) -> PendingStep:
+        """Advance the sequences by the launched step; each sampled token is a placeholder until resolved."""
+        for chunk in step.schedule.chunks:
             seq = chunk.seq
-            if seq.is_finished:  # aborted or stopped by a string while the step ran
+            if seq.is_finished:  # stopped by the step resolved meanwhile
                 continue
             seq.num_computed = chunk.end
-            seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, seq.num_computed, seq.block_keys)
+            if seq in step.rows:
+                step.token_index[seq] = seq.num_tokens
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+                seq.num_pending_tokens += 1
+        return step
+
+    def _resolve(self, step: PendingStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; stop sequences on stop tokens and length; report."""
+        result = step.wait()
+        sampled = []
+        for chunk in step.schedule.chunks:
+            seq = chunk.seq
+            if seq.is_finished:  # aborted or stopped while the step ran
+                continue
+            if seq.status is Status.RUNNING:  # not preempted since: still holds the blocks
+                seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, chunk.end, seq.block_keys)
             self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
             if seq in result.tokens:
                 token, logprob = result.tokens[seq]
-                self._append_token(seq, token, logprob)
+                self._accept_token(seq, step.token_index[seq], token, logprob)
                 sampled.append(seq)
-        return sampled
+        return self._report(sampled)
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        seq.token_ids.append(token)
+    def _accept_token(self, seq: Sequence, index: int, token: int, logprob) -> None:
+        """The sampled token replaces its placeholder (the last token id of the sequence)."""
+        seq.token_ids[index] = token
+        seq.num_pending_tokens -= 1
         if logprob is not None:
             seq.logprobs.append(logprob)
         seq.last_token_time = time.monotonic()

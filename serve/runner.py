@@ -3,6 +3,10 @@
 It speaks only the ``CompiledModel`` contract: a list of ``SequenceChunk`` per step, logits rows
 back. :meth:`ModelRunner.launch` queues the forward and the sampling on the device and returns at
 once (on CUDA); :meth:`PendingStep.wait` is where the host waits for the step's results.
+
+A step may be launched while the previous one is still running (async scheduling): the tokens the
+previous step is sampling are placeholders in the sequences (``PLACEHOLDER_TOKEN``), and the model
+reads them from that step's device tensor of sampled ids (``DeferredTokens``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autodeploy.compiled import CompiledModel
-from autodeploy.kvcache.metadata import SequenceChunk
+from autodeploy.kvcache.metadata import DeferredTokens, SequenceChunk
 
 from .outputs import TokenLogprob
 from .sampler import PendingTokens, Sampler, prompt_logprobs, to_device
@@ -38,8 +42,16 @@ class _PromptRows:
 
 
 class PendingStep:
-    def __init__(self, sampled: list[Sequence], prompt_rows: list[_PromptRows], pending: PendingTokens):
+    """A launched step. ``rows`` maps each sampling sequence to its row of ``device_token_ids``;
+    the engine records in ``token_index`` where each one's placeholder token sits."""
+
+    def __init__(self, schedule: Schedule, sampled: list[Sequence], prompt_rows: list[_PromptRows],
+                 pending: PendingTokens, device_token_ids: torch.Tensor | None):
+        self.schedule = schedule
         self._sampled, self._prompt_rows, self._pending = sampled, prompt_rows, pending
+        self.rows = {seq: row for row, seq in enumerate(sampled)}
+        self.device_token_ids = device_token_ids
+        self.token_index: dict[Sequence, int] = {}
 
     def wait(self) -> StepResult:
         host = self._pending.wait()
@@ -62,12 +74,14 @@ class ModelRunner:
         self.model = model
         self.sampler = sampler
 
-    def launch(self, schedule: Schedule) -> PendingStep:
+    def launch(self, schedule: Schedule, previous: PendingStep | None = None) -> PendingStep:
+        """Queue ``schedule``; placeholders of tokens that ``previous`` samples are read on the device."""
         chunks = [
             SequenceChunk(tuple(c.seq.token_ids[c.start : c.end]), c.start, tuple(c.seq.block_ids), c.num_logits)
             for c in schedule.chunks
         ]
-        logits = self.model(chunks)  # decode steps replay a CUDA graph when one is captured
+        deferred = _deferred_tokens(schedule, previous) if previous is not None and previous.token_index else None
+        logits = self.model(chunks, deferred)  # decode steps replay a CUDA graph when one is captured
         last_rows = [end - 1 for end in itertools.accumulate(c.num_logits for c in schedule.chunks)]
         sampling = [(row, c.seq) for row, c in zip(last_rows, schedule.chunks) if c.samples]
         tensors: dict[str, torch.Tensor] = {}
@@ -76,7 +90,8 @@ class ModelRunner:
             sample_logits = logits if rows == list(range(logits.shape[0])) else logits[self._index(rows)]
             tensors.update(self.sampler.sample(sample_logits, [seq for _, seq in sampling]))
         prompt_rows = self._prompt_logprobs(schedule.chunks, last_rows, logits, tensors)
-        return PendingStep([seq for _, seq in sampling], prompt_rows, PendingTokens(tensors))
+        return PendingStep(schedule, [seq for _, seq in sampling], prompt_rows, PendingTokens(tensors),
+                           tensors.get("token_ids"))
 
     def _prompt_logprobs(self, chunks, last_rows, logits, tensors) -> list[_PromptRows]:
         """Rows that score prompt tokens: position p's logits give the log-probability of token p + 1."""
@@ -98,6 +113,20 @@ class ModelRunner:
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.model.device)
+
+
+def _deferred_tokens(schedule: Schedule, previous: PendingStep) -> DeferredTokens | None:
+    """Where this step's inputs are tokens that ``previous`` is still sampling."""
+    positions, rows, offset = [], [], 0
+    for chunk in schedule.chunks:
+        index = previous.token_index.get(chunk.seq)
+        if index is not None and chunk.start <= index < chunk.end:
+            positions.append(offset + index - chunk.start)
+            rows.append(previous.rows[chunk.seq])
+        offset += chunk.num_tokens
+    if not positions:
+        return None
+    return DeferredTokens(previous.device_token_ids, tuple(positions), tuple(rows))
 
 
 def _logprob_at(host: dict[str, list], prefix: str, row: int, k: int | None, token_id: int | None = None):

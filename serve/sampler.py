@@ -98,8 +98,9 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        output_counts = self._token_counts([s.output_token_ids for s in seqs])
-        seen = (self._token_counts([s.token_ids for s in seqs]) > 0) if any(
+        # rows without penalties count nothing: their ids may still be placeholders (async scheduling)
+        output_counts = self._token_counts([s.output_token_ids if s.params.uses_penalties else [] for s in seqs])
+        seen = (self._token_counts([s.token_ids if s.params.uses_penalties else [] for s in seqs]) > 0) if any(
             p.repetition_penalty != 1 for p in params) else None
         freq = to_device([p.frequency_penalty for p in params], torch.float32, self.device)[:, None]
         presence = to_device([p.presence_penalty for p in params], torch.float32, self.device)[:, None]

@@ -76,6 +76,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(chunks) < self.max_batch_size:
             seq = self.running[i]
+            if seq.awaits_last_token:
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow_or_preempt(seq, n, preempted):
                 break  # seq itself was the newest and got preempted

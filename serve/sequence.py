@@ -4,6 +4,9 @@ A request with ``n`` choices owns ``n`` sequences that share the prompt. A seque
 list of token ids (prompt, then generated) plus how many of them are in the KV cache
 (``num_computed``) and the blocks that hold them. Prefill, chunked prefill, decode and recompute
 after preemption are all the same thing: run ``token_ids[num_computed:]`` (or a chunk of it).
+
+With async scheduling the last token id may still be on the device (sampled by the step in flight):
+it is a placeholder until the engine resolves it, and ``num_pending_tokens`` says so.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: Status = Status.WAITING
     num_computed: int = 0
+    num_pending_tokens: int = 0  # trailing token ids that the step in flight is still sampling
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -91,6 +95,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its final token is still being sampled: there is nothing left to schedule for it."""
+        return self.num_pending_tokens > 0 and self.num_tokens >= self.request.max_total_tokens
+
+    def drop_pending_tokens(self) -> None:
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens :]
+            self.num_pending_tokens = 0
 
     @property
     def is_finished(self) -> bool:

@@ -18,6 +18,10 @@ logits_indices     [L]          indices into T of the tokens whose logits are re
 =================  ===========  ==========================================================
 
 All integer tensors are int64, built in one pinned host buffer and copied to the device in one copy.
+``input_ids`` is the first field of that buffer. Some input ids may still be on the device when the
+step is launched (the tokens the previous step is sampling): :class:`DeferredTokens` writes them into
+the staged ``input_ids`` on the device, so the engine can launch step n + 1 before step n's tokens
+reach the host.
 """
 
 from __future__ import annotations
@@ -49,6 +53,35 @@ class SequenceChunk:
     @property
     def end(self) -> int:
         return self.context_len + len(self.token_ids)
+
+
+PLACEHOLDER_TOKEN = -1  # an input id still on the device (see DeferredTokens); never a valid id
+
+
+@dataclass(frozen=True)
+class DeferredTokens:
+    """Input ids that are still on the device: token ``positions[i]`` of the step is ``values[rows[i]]``.
+
+    ``values`` is what the previous step sampled (int64, on the model's device); writing happens on
+    the device's stream, after the metadata copy and before the forward, so nothing waits.
+    """
+
+    values: torch.Tensor
+    positions: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        n = len(self.positions)
+        if n == 0:
+            return
+        if self.positions == self.rows == tuple(range(n)):  # steady decode: same sequences, same order
+            input_ids[:n].copy_(self.values[:n])
+            return
+        index = torch.tensor((self.positions, self.rows), dtype=torch.int64)
+        if input_ids.is_cuda:
+            index = index.pin_memory()
+        index = index.to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], self.values.index_select(0, index[1]))
 
 
 @dataclass(frozen=True)
@@ -139,6 +172,10 @@ class StepBuffers:
         self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.turn = 0
+
+    def input_ids(self, num_tokens: int) -> torch.Tensor:
+        """The device ``input_ids`` of the step staged last (the first field of the buffer)."""
+        return self.dev[:num_tokens]
 
     def copy_in(self, size: int, fill) -> torch.Tensor:
         """``fill`` the next host buffer's first ``size`` values (as numpy), copy them to the device."""

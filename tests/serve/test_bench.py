@@ -6,7 +6,7 @@ import json
 import pytest
 
 from autodeploy.cli import main
-from autodeploy.serve.bench import run_offline
+from autodeploy.serve.bench import engine_decode_step_ms, run_offline
 from autodeploy.serve.bench_serving import run_benchmark
 from autodeploy.serve.bench_stats import percentile
 
@@ -29,6 +29,17 @@ def test_offline_benchmark(compiled):
     assert steps.prefill_tokens > steps.decode_seqs >= 1
     assert steps.max_step_ms * (steps.decode_steps + steps.prefill_steps) >= steps.decode_ms + steps.prefill_ms
     assert "decode-only" in result.summary()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_decode_step(compiled, monkeypatch, overlap):
+    from autodeploy.compiled import CompiledModel
+
+    steps, call = [], CompiledModel.__call__
+    monkeypatch.setattr(CompiledModel, "__call__", lambda self, chunks, *a: steps.append(len(chunks)) or call(self, chunks, *a))
+    ms = engine_decode_step_ms(compiled, batch_size=3, context_len=9, steps=4, warmup=1, overlap=overlap)
+    assert 0 < ms < 10_000
+    assert steps[-5:] == [3] * 5  # warm-up and timed steps decode all three sequences
 
 
 def test_offline_benchmark_command(compiled, monkeypatch, capsys, tmp_path):
