@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from decode_bench import bench_autodeploy, compile_autodeploy, llama_config
+from decode_bench import bench_autodeploy, compile_autodeploy, decode_chunks, llama_config
 
 
 def host_split(model, chunks, steps: int = 50) -> None:
@@ -96,8 +96,6 @@ def eager_steps(model, context: int) -> None:
 
 
 def main() -> None:
-    from autodeploy.kvcache.metadata import SequenceChunk
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--batches", default="1,64")
@@ -109,10 +107,8 @@ def main() -> None:
     model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, "triton")
     if args.eager:
         eager_steps(model, args.context)
-    per_seq = -(-(args.context + 32) // model.block_size)
     for b in batches:
-        chunks = [SequenceChunk((1,), args.context, tuple(range(i * per_seq + 1, (i + 1) * per_seq + 1)))
-                  for i in range(b)]
+        chunks = decode_chunks(model, b, args.context)
         ms = bench_autodeploy(model, b, args.context, 20)
         print(f"== {args.shape} batch {b}: {ms:.3f} ms/step", flush=True)
         host_split(model, chunks)

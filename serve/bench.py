@@ -42,6 +42,7 @@ class OfflineResult:
     itl: Distribution
     model_decode_step_ms: float  # bare CompiledModel decode step at the mean batch size
     steps: "StepStats"
+    host_waited_s: float = 0.0  # time the engine waited for the device (the rest is host work)
 
     def summary(self) -> str:
         return "\n".join([
@@ -53,6 +54,8 @@ class OfflineResult:
             f"bare model decode step at batch {round(self.mean_batch_size)}: {self.model_decode_step_ms:.2f} ms "
             f"(TPOT p50 - step = engine overhead per token: {self.tpot.p50_ms - self.model_decode_step_ms:.2f} ms)",
             self.steps.summary(),
+            f"the host waited for the device {self.host_waited_s:.2f} s of {self.seconds:.2f} s "
+            "(near 0: the host, not the device, sets the pace)",
         ])
 
 
@@ -103,7 +106,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     token_times: dict[str, list[float]] = {}
     starts: dict[str, float] = {}
     steps: list[tuple[int, int, float]] = []
-    next_prompt, begin = 0, time.perf_counter()
+    next_prompt, begin, waited_before = 0, time.perf_counter(), engine.wait_seconds
     while next_prompt < num_requests or engine.has_unfinished_requests():
         while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
             rid = str(next_prompt)
@@ -113,12 +116,13 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
-        ran = engine.last_schedule
+        ran = engine.last_resolved  # with overlap, a step's wall time is mostly the wait for the one before
         steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3))
         for out in outputs:
             for _ in range(sum(len(c.token_ids) for c in out.outputs)):
                 token_times.setdefault(out.request_id, []).append(now)
     seconds = time.perf_counter() - begin
+    waited = engine.wait_seconds - waited_before
     ttft = [times[0] - starts[rid] for rid, times in token_times.items()]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
     itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
@@ -128,7 +132,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         num_requests, input_len, output_len, concurrency, seconds, num_requests / seconds,
         num_requests * output_len / seconds, num_requests * (input_len + output_len) / seconds, mean_batch,
         Distribution.of("TTFT", ttft), Distribution.of("TPOT", tpot), Distribution.of("ITL", itl), step_ms,
-        StepStats.of(steps),
+        StepStats.of(steps), waited,
     )
 
 
@@ -152,11 +156,17 @@ def decode_step_ms(model, batch_size: int, context_len: int, iters: int = 10) ->
     return 1000 * (time.perf_counter() - start) / iters
 
 
+@dataclass(frozen=True)
+class EngineStepTime:
+    ms: float  # one engine decode step
+    waited_ms: float  # of which the host waited for the device: ~0 means the host is the bottleneck
+
+
 def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int = 20, warmup: int = 3,
-                          overlap: bool | None = None) -> float:
-    """Milliseconds of one engine decode step in steady state: ``batch_size`` sequences of
-    ``context_len`` prompt tokens, all decoding (scheduling, metadata, sampling and bookkeeping
-    included; with overlap they run while the device computes)."""
+                          overlap: bool | None = None) -> EngineStepTime:
+    """One engine decode step in steady state: ``batch_size`` sequences of ``context_len`` prompt
+    tokens, all decoding (scheduling, metadata, sampling and bookkeeping included; with overlap they
+    run while the device computes)."""
     engine = Engine(model, None, EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap))
     params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True, temperature=0, detokenize=False)
     rng = random.Random(0)
@@ -167,14 +177,14 @@ def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int =
     for _ in range(warmup):
         engine.step()
     _sync(model.device)
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), engine.wait_seconds
     for _ in range(steps):
         engine.step()
     _sync(model.device)
-    ms = 1000 * (time.perf_counter() - start) / steps
+    timing = EngineStepTime(1000 * (time.perf_counter() - start) / steps, 1000 * (engine.wait_seconds - waited) / steps)
     for i in range(batch_size):
         engine.abort_request(str(i))
-    return ms
+    return timing
 
 
 def _all_decoding(schedule, batch_size: int) -> bool:

@@ -88,7 +88,9 @@ class Engine:
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._in_flight: PendingStep | None = None  # launched, its tokens not yet on the host (overlap)
-        self.last_schedule = Schedule(())  # what the last step ran (benchmarks read it)
+        self.last_schedule = Schedule(())  # what the last step launched (benchmarks read it)
+        self.last_resolved = Schedule(())  # whose results the last step waited for (with overlap: the one before)
+        self.wait_seconds = 0.0  # host time spent waiting for the device's results (benchmarks read it)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -180,7 +182,10 @@ class Engine:
 
     def _resolve(self, step: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens; stop sequences on stop tokens and length; report."""
+        waited = time.perf_counter()
         result = step.wait()
+        self.wait_seconds += time.perf_counter() - waited
+        self.last_resolved = step.schedule
         sampled = []
         for chunk in step.schedule.chunks:
             seq = chunk.seq
