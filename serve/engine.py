@@ -243,7 +243,7 @@ class Engine:
 
     def _detokenize(self, seq: Sequence) -> None:
         """Feed new tokens to the detokenizer; a completed stop string ends the sequence there."""
-        new = seq.output_token_ids[seq.num_detokenized :]
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :]  # not output_token_ids: no full copy
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not seq.params.include_stop_str_in_output:
             new = new[:-1]  # the stop token (EOS or a stop id) is not part of the text
@@ -280,7 +280,7 @@ class Engine:
         return CompletionOutput(
             index=seq.index,
             text=seq.detokenizer.take_new_text(seq.is_finished),
-            token_ids=tuple(seq.output_token_ids[start:]),
+            token_ids=tuple(seq.token_ids[seq.num_prompt_tokens + start :]),
             logprobs=tuple(seq.logprobs[start:]) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
@@ -313,6 +313,10 @@ class Engine:
 
 
 def _request_metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:
+    if len(seqs) == 1:  # the common case, on the per-token path
+        seq = seqs[0]
+        return RequestMetrics(seq.request.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                              time.monotonic() if finished else None)
     return RequestMetrics(
         arrival_time=seqs[0].request.arrival_time,
         first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
