@@ -14,14 +14,15 @@ import torch
 MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
 MAX_SPLITS = 64
 DECODE_TOKENS_PER_SEQ = 4  # at most this many tokens per sequence on average: the decode launch
-# Programs wanted per SM before splitting the keys. A decode program (108-128 registers x 128
-# threads, 39 KB smem: bench/compile_sm90.py) fits 4 per SM: 12 is 3 waves, so the last, partial
-# wave idles little.
+# Programs wanted per SM before splitting the keys (H200 sweep, bench/kernels_gpu.py --sweep,
+# 2026-12-02): a decode program streams keys at its own latency-bound pace, so more programs than
+# ~1.5 per SM only add partial results to merge. 64 x 512 keys: 1 split 44 us, 4 splits 75 us;
+# 8 x 4096: 4 splits 61 us, 16 splits 69 us; 1 x 4096: 16 splits 25 us, 32 splits 29 us.
 # A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
 # work: split only when the tiles cannot give every SM two programs.
-DECODE_PROGRAMS_PER_SM = 12
+DECODE_PROGRAMS_PER_SM = 1.5
 PREFILL_PROGRAMS_PER_SM = 2
-CPU_SMS = 1  # what the interpreter pretends to have: small tests still take the split path
+CPU_TARGET_PROGRAMS = {True: 12, False: 2}  # decode / prefill under the interpreter: small tests still split
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,7 @@ class AttentionLaunch:
             warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
-        per_sm = DECODE_PROGRAMS_PER_SM if decode else PREFILL_PROGRAMS_PER_SM
-        splits = _num_splits(tiles, max_kv_len, per_sm * _sm_count_of(device))
+        splits = _num_splits(tiles, max_kv_len, _target_programs(decode, device))
         return cls(block_m, block_n, splits, warps, stages, decode)
 
 
@@ -89,9 +89,14 @@ def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:
     return 1 << (splits.bit_length() - 1)
 
 
-def _sm_count_of(device: torch.device) -> int:
+def _target_programs(decode: bool, device: torch.device) -> int:
     if device.type != "cuda":
-        return CPU_SMS
+        return CPU_TARGET_PROGRAMS[decode]
+    per_sm = DECODE_PROGRAMS_PER_SM if decode else PREFILL_PROGRAMS_PER_SM
+    return int(per_sm * _sm_count_of(device))
+
+
+def _sm_count_of(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 

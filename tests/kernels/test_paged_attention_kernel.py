@@ -129,6 +129,16 @@ def test_default_launch_choice():
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
 
 
+@pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 4), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
+                                                (8, 4096, 4), (64, 4096, 1), (256, 4096, 1)])
+def test_decode_splits_on_an_h200(monkeypatch, seqs, keys, splits):
+    """The split counts the H200 sweep measured fastest (attention_config's comment) for 32/8 heads."""
+    import autodeploy.kernels.attention_config as config
+
+    monkeypatch.setattr(config, "_sm_count_of", lambda device: 132)
+    assert AttentionLaunch.choose(seqs, seqs, 32, 8, 128, keys, torch.device("cuda")).num_splits == splits
+
+
 def test_an_engine_meets_few_launch_variants(monkeypatch):
     """Each distinct launch config is a Triton compile when an eager step first meets it (seconds on
     the H200, while requests wait): every step shape an engine of max batch 512 and 8192 tokens
