@@ -16,8 +16,8 @@ The rows, the table and the timing live in ``gpu_harness.py`` (this folder).
 Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at
 batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
 cached tokens; decode with the RoPE folded in (``decode+rope``, batch 1/64 x 512) next to the
-unfused ``rope_qk`` + attention pair it replaces. It is one launch per call: the cache write, the attention and the merge of the
-flash-decoding splits; its checks also compare the written cache with the reference's and replay
+unfused ``rope_qk`` + attention pair it replaces. It is one launch per call: the cache write, the
+attention and the merge of the flash-decoding splits; its checks also compare the written cache with the reference's and replay
 a split launch from a CUDA graph (the split counters must be back at zero after every replay).
 Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
 413 TFLOP/s.

@@ -162,7 +162,8 @@ def _check_rotation(rope: fx.Node, q_side: _Side, k_side: _Side) -> None:
             raise Rejected(f"cos {tuple(cos_shape)} has more dims than {x.name}")
         for dim, size in enumerate(cos_shape[:-1]):
             if dim + offset != side.token_dim and size != 1:
-                raise Rejected(f"cos {tuple(cos_shape)} varies along dim {dim + offset} of {x.name}, not only per token")
+                raise Rejected(f"cos {tuple(cos_shape)} varies along dim {dim + offset} of {x.name}, "
+                               "not only per token")
         if side.token_dim < offset or str(cos_shape[side.token_dim - offset]) != str(x_val.shape[side.token_dim]):
             raise Rejected(f"cos {tuple(cos_shape)} does not give each token of {x.name} its own row")
         token_dims.add(side.token_dim - offset)
@@ -183,7 +184,8 @@ def _fold(gm: fx.GraphModule, attention: fx.Node, q_side: _Side, k_side: _Side) 
                 node.target = aten.reshape.default  # x may be a strided slice a view cannot take
         changed += side.chain
     with graph.inserting_before(attention):
-        per_token = [graph.call_function(aten.reshape.default, (t, [-1, t.meta["val"].shape[-1]])) for t in (cos, sin)]
+        per_token = [graph.call_function(aten.reshape.default, (t, [-1, t.meta["val"].shape[-1]]))
+                     for t in (cos, sin)]
     attention.update_kwarg("rope_cos", per_token[0])
     attention.update_kwarg("rope_sin", per_token[1])
     attention.update_kwarg("rope_interleaved", interleaved)

@@ -316,7 +316,8 @@ class _RoPEArgs:
         if cos is None:  # unused pointers; the kernel compiles exactly as without these arguments
             return cls(q, q, 0, ROPE_NONE.value, 0, launch.block_n, {})
         rot_dim = cos.shape[-1]
-        if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0] or rot_dim % 2 or rot_dim > q.shape[-1]:
+        per_token = cos.dim() == 2 and cos.shape[0] == q.shape[0]
+        if cos.shape != sin.shape or not per_token or rot_dim % 2 or rot_dim > q.shape[-1]:
             raise ValueError(f"rope cos/sin must be [T={q.shape[0]}, R] with R even and <= {q.shape[-1]}, "
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:

@@ -11,7 +11,9 @@ from paged_batches import random_cache, shuffled_blocks, step_metadata
 
 REFERENCE = torch.ops.autodeploy.paged_attention
 MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]  # chunked prefill, prefill, decodes, an empty sequence
-ROTATIONS = {"half": (False, 16), "half-partial": (False, 8), "interleaved": (True, 16), "interleaved-partial": (True, 4)}
+# name -> (interleaved, rotary dim) with head dim 16
+ROTATIONS = {"half": (False, 16), "half-partial": (False, 8), "interleaved": (True, 16),
+             "interleaved-partial": (True, 4)}
 
 
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
