@@ -37,6 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from autodeploy.kernels import activation, kv_cache_write, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -89,13 +90,13 @@ def _instructions(ptx: str) -> str:
     return " ".join(name for name, pattern in kinds if re.search(pattern, ptx))
 
 
-def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2) -> tuple[str, bool]:
+def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, options=None) -> tuple[str, bool]:
     """One table row, and whether the variant compiled without spilling registers inside a loop."""
     sig, attrs = _signature(kernel, pointers, constexprs)
     start = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs), target=TARGET,
-                                  options={"num_warps": warps, "num_stages": stages})
+                                  options={"num_warps": warps, "num_stages": stages, **(options or {})})
     except Exception as exc:  # report every failing variant, not only the first
         return f"{name:<44} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", False
     seconds = time.perf_counter() - start
@@ -108,7 +109,8 @@ def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2) -> tu
 
 
 def _attention(dtype="bf16", **overrides):
-    pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr", "cache_ptr", "sinks_ptr")}
+    pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr", "cache_ptr", "sinks_ptr", "cos_ptr",
+                                          "sin_ptr")}
     pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
     pointers["counters_ptr"] = "*i32"
     metadata = ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr")
@@ -116,14 +118,15 @@ def _attention(dtype="bf16", **overrides):
     const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_Q=4, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=4,
                  SEARCH_BLOCK=paged_attention.SEARCH_BLOCK,
                  HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False,
-                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", SPLIT_NEW_KEYS=False)
+                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", SPLIT_NEW_KEYS=False, ROPE=0, ROT_DIM=0)
     const.update(overrides)
+    const.setdefault("DIAG_BLOCK_N", const["BLOCK_N"])
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
     return paged_attention._paged_attention_kernel, pointers, const
 
 
 def variants():
-    """(name, kernel, pointer types, constexprs, warps, stages) of the variants the runtime uses."""
+    """(name, kernel, pointer types, constexprs, warps, stages[, options]) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
     yield ("attn decode gqa4 d128 (split 4)", *_attention(), 4, 2)
     yield ("attn decode gqa4 d128 (no split)", *_attention(NUM_SPLITS=1), 4, 2)
@@ -140,6 +143,19 @@ def variants():
     # the JIT specialises integer arguments equal to 1 as constants: batch 1 is a variant of its own
     yield ("attn decode batch 1 (num_seqs = T = 1)", *_attention(num_seqs=1, num_tokens=1), 4, 2)
     yield ("attn decode gqa3 d64 (split 4, smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64), 4, 2)
+    # RoPE folded into the attention (fuse_rope_attention): q and the new keys rotated in the kernel
+    diagonal, options = paged_attention.rope_decode_tuning(64)
+    half = dict(ROPE=ROPE_HALF.value, ROT_DIM=128, DIAG_BLOCK_N=diagonal)
+    yield ("attn rope decode gqa4 d128 (split 4)", *_attention(**half), 4, 2, options)
+    yield ("attn rope decode gqa4 d128 (no split)", *_attention(**dict(half, NUM_SPLITS=1)), 4, 2, options)
+    yield ("attn rope decode batch 1", *_attention(num_seqs=1, num_tokens=1, **half), 4, 2, options)
+    yield ("attn rope decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16, **half), 4, 2, options)
+    yield ("attn rope decode gqa3 d64 (smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64,
+                                                              **dict(half, ROT_DIM=64)), 4, 2, options)
+    yield ("attn rope decode interleaved, partial 64/128",
+           *_attention(**dict(half, ROPE=ROPE_INTERLEAVED.value, ROT_DIM=64)), 4, 2, options)
+    yield ("attn rope prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill, ROPE=ROPE_HALF.value,
+                                                                    ROT_DIM=128), 8, 2)
     write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
     yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs,
            dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096), 4, 1)
@@ -162,8 +178,8 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
     print(f"{'variant':<44} {'regs':>4} {'spill':>6} {'smem B':>8} w/st  compile  instructions")
     ok = True
-    for name, kernel, pointers, constexprs, warps, stages in variants():
-        row, good = compile_variant(name, kernel, pointers, constexprs, warps, stages)
+    for variant in variants():
+        row, good = compile_variant(*variant)
         ok &= good
         print(row, flush=True)
     return 0 if ok else 1

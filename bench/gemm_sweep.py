@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels_gpu  # the CUDA-graph timing harness (this folder)
+import gpu_harness  # the CUDA-graph timing harness (this folder)
 
 SHAPES = {
     "llama8b": {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
@@ -56,7 +56,7 @@ def skinny_gemm(x, w, out, block_n, block_k, stages, warps):
 
 def graph_us(fn_per_copy, copies: int, reps: int = 20) -> float:
     """Median time of one call inside a CUDA graph that cycles through ``copies`` weight copies."""
-    return kernels_gpu.graph_us([functools.partial(fn_per_copy, i) for i in range(copies)], reps)
+    return gpu_harness.graph_us([functools.partial(fn_per_copy, i) for i in range(copies)], reps)
 
 
 def main() -> None:

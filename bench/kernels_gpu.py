@@ -11,10 +11,13 @@ Every kernel is first checked against its torch reference on fresh random bf16 i
 - ``TB/s`` and ``%copy``: bytes that must move (inputs read once, outputs written once) / graph
   time, against the measured 4.18 TB/s copy bandwidth; ``TFLOP/s`` for prefill attention.
 
+The rows, the table and the timing live in ``gpu_harness.py`` (this folder).
+
 Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at
 batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
-cached tokens. It is one launch per call: the cache write, the attention and the merge of the
-flash-decoding splits; its checks also compare the written cache with the reference's and replay
+cached tokens; decode with the RoPE folded in (``decode+rope``, batch 1/64 x 512) next to the
+unfused ``rope_qk`` + attention pair it replaces. It is one launch per call: the cache write, the
+attention and the merge of the flash-decoding splits; its checks also compare the written cache with the reference's and replay
 a split launch from a CUDA graph (the split counters must be back at zero after every replay).
 Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
 413 TFLOP/s.
@@ -27,11 +30,9 @@ Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 import types
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,10 @@ if "autodeploy" not in sys.modules:  # kernels and reference ops without autodep
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
+
+from gpu_harness import (  # noqa: E402  (this folder)
+    BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, timed,
+)
 
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
 from autodeploy.kernels.activation import act_mul  # noqa: E402
@@ -54,106 +58,8 @@ from autodeploy.ops.mlp import ACTIVATIONS  # noqa: E402
 from autodeploy.ops.norm import rms_norm_reference  # noqa: E402
 from autodeploy.ops.rope import rope_reference  # noqa: E402
 
-COPY_TBPS = 4.18
-BF16_TOL = 1e-2
 HQ, HKV, D, PAGE, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
-DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-@dataclass
-class Row:
-    name: str
-    err: float | None = None
-    graph_us: float | None = None
-    eager_us: float | None = None
-    torch_us: float | None = None
-    bytes: float = 0.0
-    flops: float = 0.0
-    note: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.err is None or (math.isfinite(self.err) and self.err < BF16_TOL)
-
-
-@dataclass
-class Report:
-    rows: list[Row] = field(default_factory=list)
-
-    def add(self, row: Row) -> None:
-        self.rows.append(row)
-        print(f"  done: {row.name}", flush=True)
-
-    def table(self) -> str:
-        fmt = lambda v, spec: "-" if v is None or v == 0 else format(v, spec)  # noqa: E731
-        head = (f"{'case':<40}{'check':>13}{'graph us':>10}{'eager us':>10}{'torch us':>10}{'MB':>9}"
-                f"{'TB/s':>7}{'%copy':>7}{'TFLOP/s':>9}  note")
-        lines = [head, "-" * len(head)]
-        for r in self.rows:
-            check = "-" if r.err is None else f"{r.err:.1e} {'ok' if r.ok else 'FAIL'}"
-            tbps = r.bytes / (r.graph_us * 1e-6) / 1e12 if r.graph_us and r.bytes else None
-            tflops = r.flops / (r.graph_us * 1e-6) / 1e12 if r.graph_us and r.flops else None
-            lines.append(
-                f"{r.name:<40}{check:>13}{fmt(r.graph_us, '.1f'):>10}{fmt(r.eager_us, '.1f'):>10}"
-                f"{fmt(r.torch_us, '.1f'):>10}{fmt(r.bytes / 1e6, '.2f'):>9}{fmt(tbps, '.2f'):>7}"
-                f"{fmt(tbps and 100 * tbps / COPY_TBPS, '.0f'):>7}{fmt(tflops, '.0f'):>9}  {r.note}")
-        return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- measurement
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def sets_for(bytes_per_call: float, cap: int = 64) -> int:
-    """Input sets to rotate through so that one graph replay streams more than 4x the L2 cache."""
-    l2 = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 50 << 20)
-    return max(1, min(cap, math.ceil(4 * l2 / max(bytes_per_call, 1))))
-
-
-def graph_us(calls: list, reps: int = 30) -> float:
-    """Median time per call of a CUDA graph running every callable of ``calls`` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compile and warm up outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def eager_us(call) -> float:
-    return triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median") * 1e3
-
-
-def timed(row: Row, make_call, make_ref, bytes_per_call: float, time_torch: bool = True) -> Row:
-    """Time ``make_call(i)`` (i-th input set) in the graph and eagerly; the reference likewise."""
-    count = sets_for(bytes_per_call)
-    calls = [make_call(i) for i in range(count)]
-    row.graph_us = graph_us(calls)
-    row.eager_us = eager_us(calls[0])
-    if time_torch and make_ref is not None:
-        row.torch_us = graph_us([make_ref(i) for i in range(count)])
-    row.bytes = bytes_per_call
-    return row
 
 
 # ----------------------------------------------------------------------------- small kernels
@@ -231,7 +137,8 @@ class PagedBatch:
         return torch.ops.autodeploy.paged_attention(
             self.q, self.k, self.v, cache, self.query_lens, self.context_lens, self.cu_seqlens,
             self.block_table, self.slots, D ** -0.5, features.get("sliding_window"),
-            features.get("logit_softcap"), features.get("sinks"))
+            features.get("logit_softcap"), features.get("sinks"), features.get("rope_cos"),
+            features.get("rope_sin"), features.get("rope_interleaved", False))
 
 
 def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0) -> PagedBatch:
@@ -285,6 +192,45 @@ def bench_attention(report: Report, flashinfer: bool) -> None:
                 row.note += f"; flashinfer failed: {type(exc).__name__}: {str(exc)[:80]}"
         report.add(row)
         del batches
+
+
+def rotary_rows(seqs: list[tuple[int, int]], theta: float = 500000.0, device=DEV) -> tuple[torch.Tensor, ...]:
+    """cos/sin [T, D] bf16 of each token's position (Llama-3 half-rotate frequencies), as the graph feeds
+    them to an attention with its RoPE folded in."""
+    pos = torch.cat([torch.arange(c, c + n, device=device) for c, n in seqs]).float()
+    inv_freq = theta ** -(torch.arange(0, D, 2, device=device).float() / D)
+    angles = (pos[:, None] * inv_freq).repeat(1, 2)
+    return angles.cos().to(BF16), angles.sin().to(BF16)
+
+
+def bench_rope_attention(report: Report) -> None:
+    """Decode with RoPE folded into the attention (fuse_rope_attention): checked against the reference op
+    with the same rotary inputs (output and written cache), timed next to the unfused rope_qk + attention."""
+    for b in (1, 64):
+        seqs = [(511, 1)] * b
+        nbytes = attention_cost(seqs)[0] + 2 * b * D * 2  # + the cos/sin rows
+        batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
+        cos, sin = rotary_rows(seqs)
+        first = batches[0]
+        want_cache, got_cache = first.cache.clone(), first.cache.clone()
+        err = rel_err(first.triton(cache=got_cache, rope_cos=cos, rope_sin=sin),
+                      first.reference(want_cache, rope_cos=cos, rope_sin=sin))
+        written = (first.slots // PAGE, slice(None), first.slots % PAGE)  # the new rotated keys and values
+        err = max(err, rel_err(got_cache[written], want_cache[written]))
+        unfused = graph_us([_unfused_rope_attention(batch, cos, sin) for batch in batches])
+        row = timed(Row(f"decode+rope b={b} ctx=512", err),
+                    lambda i: lambda: batches[i].triton(rope_cos=cos, rope_sin=sin), None, nbytes)
+        row.note = f"unfused rope_qk + attention {unfused:.1f} us (graph)"
+        report.add(row)
+        del batches
+
+
+def _unfused_rope_attention(batch: PagedBatch, cos: torch.Tensor, sin: torch.Tensor):
+    def call():
+        q, k = rope_qk(batch.q, batch.k, cos[:, None], sin[:, None])
+        return replace(batch, q=q, k=k).triton()
+
+    return call
 
 
 def flashinfer_us(batch: PagedBatch) -> float:
@@ -382,6 +328,7 @@ def main() -> int:
     check_attention_features(report)
     check_split_merge_replays(report)
     bench_attention(report, args.flashinfer)
+    bench_rope_attention(report)
     if args.sweep:
         sweep_decode(report)
     print(report.table())

@@ -15,6 +15,7 @@ _BUILTIN = {
     "fuse_rope_qk": "autodeploy.passes.fuse:FuseRoPEQK",
     "load_weights": "autodeploy.passes.load_weights:LoadWeights",
     "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
+    "fuse_rope_attention": "autodeploy.passes.fuse_rope_attention:FuseRoPEAttention",
     "allocate_kv_cache": "autodeploy.passes.allocate_kv_cache:AllocateKVCache",
     "warm_up": "autodeploy.passes.warm_up:WarmUp",
     "compile_cuda_graphs": "autodeploy.passes.compile_cuda_graphs:CompileCudaGraphs",

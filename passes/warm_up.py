@@ -61,16 +61,25 @@ class WarmUp(Pass):
             q, cache = node.args[0].meta["val"], caches[node.args[3].target]
             sinks = node.kwargs.get("sinks")
             sinks = get_tensor_attr(ctx.gm, sinks.target) if sinks is not None else None
+            rope = _rotary(node)
             settings = (q.shape[1], q.dtype, node.kwargs["scale"], node.kwargs.get("sliding_window"),
-                        node.kwargs.get("logit_softcap"), sinks is not None, tuple(cache.shape), cache.dtype)
+                        node.kwargs.get("logit_softcap"), sinks is not None, tuple(cache.shape), cache.dtype, rope)
             if settings in done:
                 continue
             done.add(settings)
             count += warm_up_launches(cache, q.shape[1], q.dtype, node.kwargs["scale"],
                                       node.kwargs.get("sliding_window"), node.kwargs.get("logit_softcap"), sinks,
                                       cfg.max_batch_size, cfg.max_num_tokens,
-                                      ctx.artifacts["kv_capacity"].max_blocks_per_seq)
+                                      ctx.artifacts["kv_capacity"].max_blocks_per_seq, rope)
         return count
+
+
+def _rotary(node) -> tuple[int, torch.dtype, bool] | None:
+    """(rotary dim, cos dtype, interleaved) of an attention with its RoPE folded in (fuse_rope_attention)."""
+    cos = node.kwargs.get("rope_cos")
+    if cos is None:
+        return None
+    return int(cos.meta["val"].shape[-1]), cos.meta["val"].dtype, bool(node.kwargs.get("rope_interleaved", False))
 
 
 def warm_up_steps(block_size: int, num_blocks: int, config) -> list[list[SequenceChunk]]:

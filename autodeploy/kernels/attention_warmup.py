@@ -52,8 +52,12 @@ def _prefill_shapes(max_tokens: int) -> list[tuple[int, int]]:
 def warm_up_launches(
     kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, scale: float, sliding_window: int | None,
     logit_softcap: float | None, sinks: torch.Tensor | None, max_batch: int, max_tokens: int, max_blocks: int,
+    rope: tuple[int, torch.dtype, bool] | None = None,
 ) -> int:
-    """Launch each reachable config once for one attention layer's settings; returns how many."""
+    """Launch each reachable config once for one attention layer's settings; returns how many.
+
+    ``rope``: (rotary dim, cos/sin dtype, interleaved) of a layer whose rotary embedding is fused.
+    """
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     device = kv_cache.device
     launches = reachable_launches(num_heads, num_kv_heads, head_dim, page_size, max_batch, max_tokens, max_blocks,
@@ -68,5 +72,14 @@ def warm_up_launches(
             q, k, torch.zeros_like(k), kv_cache, cu_seqlens, torch.zeros(seqs, dtype=torch.int64, device=device),
             torch.zeros(seqs, width, dtype=torch.int64, device=device),
             torch.full((tokens,), -1, dtype=torch.int64, device=device),  # slot -1: the cache is not written
-            scale, sliding_window, logit_softcap, sinks, launch=launch)
+            scale, sliding_window, logit_softcap, sinks, *_rotary(rope, tokens, device), launch=launch)
     return len(launches)
+
+
+def _rotary(rope: tuple[int, torch.dtype, bool] | None, tokens: int, device: torch.device) -> tuple:
+    """cos/sin [tokens, R] (zeros, contiguous like the graph's) and the layout flag, or nothing."""
+    if rope is None:
+        return ()
+    rot_dim, dtype, interleaved = rope
+    trig = torch.zeros(tokens, rot_dim, dtype=dtype, device=device)
+    return trig, trig, interleaved

@@ -20,6 +20,10 @@ can be captured in a CUDA graph):
 - ``num_splits > 1`` is flash-decoding: each split walks one contiguous segment of the visible keys
   and writes a partial output and its log2-sum-exp; the split that arrives last at its tile's
   counter merges them into ``out`` (see ``_finish_splits``), so there is no combine kernel either.
+- with a fused rotary embedding (``ROPE``, from ``fuse_rope_attention``), q is rotated when its tile
+  is loaded and every new key when it is loaded from the inputs, for attention and for the cache
+  write alike (pooled keys were rotated when they were written); decode launches walk the new keys
+  in blocks of 16 under a register cap (``rope_decode_tuning``).
 
 Query ``i`` of sequence ``b`` sits at position ``context_lens[b] + i`` and sees keys ``j`` with
 ``j <= pos`` (and ``pos - j < sliding_window``). Softmax runs in the log2 domain in fp32. The new
@@ -29,16 +33,22 @@ them); a real token with slot -1 would attend to its own k/v, where the referenc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
-    LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, _attend_range, _find_sequence, _merge_splits, _write_new_kv,
+    LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_range,
+    _find_sequence, _merge_splits, _rotated, _write_new_kv,
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _find_sequence)
+# Decode launches with a fused rotary embedding (see rope_decode_tuning)
+ROPE_DECODE_DIAGONAL_BLOCK = 16
+ROPE_DECODE_MAX_REGISTERS = 128
 
 
 # Values that change from step to step: specializing on them (== 1, divisible by 16) would compile
@@ -49,16 +59,17 @@ _DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt", "stride_ps", "stride_ls"
 @triton.jit(do_not_specialize=_DYNAMIC_ARGS)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, sinks_ptr,
-    context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, num_seqs, num_tokens,
+    cos_ptr, sin_ptr, context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, num_seqs, num_tokens,
     scale, softcap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,15 +106,20 @@ def _paged_attention_kernel(
     cache_head = cache_ptr + kv_head * stride_ch
     if split == NUM_SPLITS - 1:  # the split with the fewest keys writes the tile's new K/V, once
         _write_new_kv(k_head, v_head, slot_ptr, cache_head, q_rows, row_ok & (rows % GROUP_PAD == 0),
-                      stride_kt, stride_vt, stride_cb, stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
+                      stride_kt, stride_vt, stride_cb, stride_cs, stride_ckv, dims, dim_ok, cos_ptr, sin_ptr,
+                      stride_rt, PAGE_SIZE, ROPE, ROT_DIM)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if ROPE != ROPE_NONE:
+        q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
+                     stride_rt, ROPE, ROT_DIM, False)
     acc, m_i, l_i = _attend_tile(
         q, head, row_ok, ctx_len + token, q_first, q_len, ctx_len, q_start, split,
         block_table_ptr + seq.to(tl.int64) * stride_bt, cache_head, stride_cb, stride_cs, stride_ckv,
         k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
+        cos_ptr, sin_ptr, stride_rt,
         BLOCK_M, BLOCK_D, BLOCK_Q, BLOCK_N, PAGE_SIZE, NUM_SPLITS, HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS,
-        DOT_PRECISION, SPLIT_NEW_KEYS)
+        DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N)
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -134,9 +150,11 @@ def _store_rows(dst_ptr, token, head, dims, stride_t, stride_h, mask, values):
 def _attend_tile(
     q, head, row_ok, pos, q_first, q_len, ctx_len, q_start, split, table, cache_head, stride_cb, stride_cs,
     stride_ckv, k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
+    cos_ptr, sin_ptr, stride_rt,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr,
+    ROT_DIM: tl.constexpr, DIAG_BLOCK_N: tl.constexpr,
 ):
     """Unnormalised output, running max and sum (log2 domain) of one tile over this split's keys."""
     # keys visible to some row of this tile, then this split's share of them
@@ -170,17 +188,20 @@ def _attend_tile(
         acc, m_i, l_i = _attend_range(
             q, acc, m_i, l_i, new_lo, diag_lo, kv_hi, pos, table, cache_head, stride_cb, stride_cs,
             stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-            BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False, MASK_NONE)
+            cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
+            MASK_NONE, ROPE, ROT_DIM)
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, diag_lo, kv_hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
         k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False, MASK_FULL)
+        cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
+        MASK_FULL, ROPE, ROT_DIM)
     cached_hi = tl.minimum(kv_hi, ctx_len)
     CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, kv_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
         stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True, CACHED_MASK)
+        cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True,
+        CACHED_MASK, ROPE_NONE, ROT_DIM)  # pooled keys were rotated before they were cached
     return acc, m_i, l_i
 
 
@@ -218,12 +239,17 @@ def paged_attention_fwd(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
     launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """Write k/v into ``kv_cache`` and run paged causal attention of q [T, Hq, D] in one launch;
     returns [T, Hq, D] (rows of padding tokens past ``cu_seqlens[-1]`` are zero).
 
-    ``launch`` overrides the block sizes and split count chosen from the shapes (tests use it).
+    With ``rope_cos``/``rope_sin`` ([T, R] per token) q and k are rotated in the kernel first (the
+    rotated keys are cached). ``launch`` overrides the block sizes and split count chosen from the
+    shapes (tests use it).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -240,23 +266,65 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
+    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
     _paged_attention_kernel[grid](
-        out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q,
+        out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
         context_lens, cu_seqlens, block_table, slot_mapping, num_seqs, num_tokens,
         float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        *part_out.stride()[:3], *part_lse.stride()[:2],
+        *part_out.stride()[:3], *part_lse.stride()[:2], rope.stride,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         PAGE_SIZE=kv_cache.shape[2], NUM_SPLITS=launch.num_splits,
         SPLITS_PAD=triton.next_power_of_2(launch.num_splits), SEARCH_BLOCK=SEARCH_BLOCK,
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
     )
     return out
+
+
+def rope_decode_tuning(block_n: int) -> tuple[int, dict]:
+    """(keys per block of the diagonal loop, compile options) of a decode launch with a fused RoPE.
+
+    Rotating a block of new keys holds it and its partner halves in registers (without RoPE they go
+    from global to shared memory by cp.async). A decode tile has only a few new keys: blocks of 16
+    keep that cost small, and a cap of 128 registers keeps 4 programs of 128 threads per SM, as
+    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py)."""
+    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
+
+
+@dataclass(frozen=True)
+class _RoPEArgs:
+    """The kernel's rotary arguments: cos/sin [T, R] sharing one row stride, the mode, R, and what the
+    mode changes in the launch (diagonal key block, compile options)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    stride: int
+    mode: int
+    rot_dim: int
+    diagonal_block_n: int
+    options: dict
+
+    @classmethod
+    def of(cls, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, q: torch.Tensor,
+           launch: AttentionLaunch) -> "_RoPEArgs":
+        if cos is None:  # unused pointers; the kernel compiles exactly as without these arguments
+            return cls(q, q, 0, ROPE_NONE.value, 0, launch.block_n, {})
+        rot_dim = cos.shape[-1]
+        per_token = cos.dim() == 2 and cos.shape[0] == q.shape[0]
+        if cos.shape != sin.shape or not per_token or rot_dim % 2 or rot_dim > q.shape[-1]:
+            raise ValueError(f"rope cos/sin must be [T={q.shape[0]}, R] with R even and <= {q.shape[-1]}, "
+                             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        block_n, options = rope_decode_tuning(launch.block_n) if launch.decode else (launch.block_n, {})
+        mode = ROPE_INTERLEAVED if interleaved else ROPE_HALF
+        return cls(cos, sin, cos.stride(0), mode.value, rot_dim, block_n, options)
 
 
 def _partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

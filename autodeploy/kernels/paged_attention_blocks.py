@@ -2,7 +2,10 @@
 
 Keys come from two places: positions ``< context_len`` from the paged pool, the step's own new keys
 (positions ``context_len ..``) straight from the ``k``/``v`` inputs. The kernel writes those new keys
-into the pool in the same launch, so it must never read them back from there.
+into the pool in the same launch, so it must never read them back from there. With a fused rotary
+embedding, q and every new key are rotated where they are loaded from the inputs (pooled keys were
+rotated before they were cached), each one in fp32 and rounded to the input dtype, as the
+``rope_qk`` kernel rounds them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 MASK_NONE = tl.constexpr(0)
 MASK_TAIL = tl.constexpr(1)
 MASK_FULL = tl.constexpr(2)
+# Fused rotary embedding (constexpr): none, half-rotate (NeoX/Llama), interleaved pairs (GPT-J)
+ROPE_NONE = tl.constexpr(0)
+ROPE_HALF = tl.constexpr(1)
+ROPE_INTERLEAVED = tl.constexpr(2)
 
 
 @triton.jit
@@ -43,13 +50,42 @@ def _tanh(x):
 
 
 @triton.jit
+def _rotated(x, src, rope_rows, row_ok, dims, cos_ptr, sin_ptr, stride_rt,
+             ROPE: tl.constexpr, ROT_DIM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """x rotated like ``autodeploy::rope``: x holds rows of head vectors loaded from ``src`` (one pointer
+    per row) + dims, as [rows, BLOCK_D], or [BLOCK_D, rows] when TRANSPOSED; row i takes the cos/sin
+    of token row ``rope_rows[i]``. Column j becomes x[j] cos[j] + sign(j) x[partner(j)] sin[j] for
+    j < ROT_DIM: the partner half comes from a second load of the same (cached) lines."""
+    if ROPE == ROPE_INTERLEAVED:
+        partner = dims ^ 1
+        sign = tl.where(dims % 2 == 0, -1.0, 1.0)
+    else:
+        half: tl.constexpr = ROT_DIM // 2
+        partner = tl.where(dims < half, dims + half, dims - half)
+        sign = tl.where(dims < half, -1.0, 1.0)
+    rotated = dims < ROT_DIM
+    trig_row = rope_rows.to(tl.int64) * stride_rt
+    if TRANSPOSED:
+        mask = row_ok[None, :] & rotated[:, None]
+        partner_src, trig, sign = src[None, :] + partner[:, None], trig_row[None, :] + dims[:, None], sign[:, None]
+    else:
+        mask = row_ok[:, None] & rotated[None, :]
+        partner_src, trig, sign = src[:, None] + partner[None, :], trig_row[:, None] + dims[None, :], sign[None, :]
+    x_partner = tl.load(partner_src, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + trig, mask=mask, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * cos + sign * x_partner * sin).to(x.dtype)
+
+
+@triton.jit
 def _load_key_block(
     keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head, v_head, new_row0,
-    stride_kt, stride_vt, dims, dim_ok, PAGE_SIZE: tl.constexpr, FROM_POOL: tl.constexpr,
+    stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt,
+    PAGE_SIZE: tl.constexpr, FROM_POOL: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
 ):
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of ``keys`` (masked-out keys read as 0), from the
-    pool or from the step's inputs; new keys are rounded through the pool's dtype, as the reference
-    reads them back from the pool."""
+    pool or from the step's inputs; new keys are rotated (ROPE) and rounded through the pool's dtype,
+    as the reference reads them back from the pool."""
     if FROM_POOL:
         page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
         k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
@@ -62,6 +98,8 @@ def _load_key_block(
     k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
     v = tl.load(v_src[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
     if not FROM_POOL:
+        if ROPE != ROPE_NONE:
+            k_t = _rotated(k_t, k_src, row, key_ok, dims, cos_ptr, sin_ptr, stride_rt, ROPE, ROT_DIM, True)
         cache_ty = cache_head.dtype.element_ty
         k_t, v = k_t.to(cache_ty), v.to(cache_ty)
     return k_t, v
@@ -98,15 +136,18 @@ def _softmax_step(
 def _attend_range(
     q, acc, m_i, l_i, lo, hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
     k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+    cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr, ROPE: tl.constexpr,
+    ROT_DIM: tl.constexpr,
 ):
     """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out)."""
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_hi
         k_t, v = _load_key_block(keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head,
-                                 v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, PAGE_SIZE, FROM_POOL)
+                                 v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr,
+                                 stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM)
         acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
                                       HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
     return acc, m_i, l_i
@@ -115,9 +156,11 @@ def _attend_range(
 @triton.jit
 def _write_new_kv(
     k_head, v_head, slot_ptr, cache_head, q_rows, first_of_token, stride_kt, stride_vt,
-    stride_cb, stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE: tl.constexpr,
+    stride_cb, stride_cs, stride_ckv, dims, dim_ok, cos_ptr, sin_ptr, stride_rt,
+    PAGE_SIZE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
 ):
-    """Write the tile's new K/V rows of one KV head into the pool at ``slot_mapping`` (-1 = skip).
+    """Write the tile's new K/V rows of one KV head into the pool at ``slot_mapping`` (-1 = skip), the
+    keys rotated (ROPE) exactly as ``_load_key_block`` rotates them for attention.
 
     Rows follow the tile's [token x query head] layout; ``first_of_token`` picks one row per token.
     """
@@ -127,6 +170,9 @@ def _write_new_kv(
     cache_ty = cache_head.dtype.element_ty
     key = tl.load(k_head + q_rows[:, None] * stride_kt + dims[None, :], mask=ok)
     value = tl.load(v_head + q_rows[:, None] * stride_vt + dims[None, :], mask=ok)
+    if ROPE != ROPE_NONE:
+        key = _rotated(key, k_head + q_rows * stride_kt, q_rows, slot >= 0, dims, cos_ptr, sin_ptr, stride_rt,
+                       ROPE, ROT_DIM, False)
     tl.store(dst[:, None] + dims[None, :], key.to(cache_ty), mask=ok)
     tl.store(dst[:, None] + stride_ckv + dims[None, :], value.to(cache_ty), mask=ok)
 

@@ -5,6 +5,11 @@ first writes k/v of every token with ``slot_mapping >= 0`` into ``kv_cache``
 ([num_blocks, 2, block_size, Hkv, D], see ``autodeploy.kvcache.pool``), then lets each token
 attend to the cached keys of its sequence up to and including its own position. Metadata is
 described in ``autodeploy.kvcache.metadata``.
+
+Optional rotary embedding (``fuse_rope_attention``): with ``rope_cos``/``rope_sin`` ([T, R] per
+token, R even and <= D) the op first rotates q and k like ``autodeploy::rope`` on their first R
+dims (half-rotate, or pairwise when ``rope_interleaved``), rounded back to q's and k's dtypes; the
+rotated keys are what is cached and attended to. None (the default): no rotation.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> t
     return keys, values
 
 
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated by per-token cos/sin [T, R] (unchanged when cos is None),
+    through ``autodeploy::rope_qk``: what the unfused graph computes, on every device."""
+    if cos is None:
+        return q, k
+    q_rot, k_rot = torch.ops.autodeploy.rope_qk(q, k, cos[:, None], sin[:, None], interleaved)
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
 @torch.library.custom_op("autodeploy::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(
     q: torch.Tensor,
@@ -46,7 +62,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> torch.Tensor:
+    q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)
     write_kv_cache(k, v, kv_cache, slot_mapping)
     out = torch.zeros_like(q)
     block_size = kv_cache.shape[2]

@@ -1,6 +1,7 @@
 """Optional FlashInfer backend of paged attention: ``autodeploy::paged_attention_flashinfer``.
 
-Same schema as ``autodeploy::paged_attention``; no attention sinks; head dims 64/128/256. It is
+Same schema as ``autodeploy::paged_attention``; no attention sinks; head dims 64/128/256; a fused
+rotary embedding runs as the ``rope_qk`` kernel before the cache write. It is
 registered whether or not FlashInfer is installed (so graphs naming it stay loadable); choosing it
 on a machine without ``flashinfer`` fails at compile time with the reason. Eager only: FlashInfer
 plans each step on the host (see ``autodeploy.kernels.flashinfer_paged``).
@@ -14,7 +15,7 @@ import torch
 
 from ..errors import UnsupportedPatternError
 from .attention_backends import AttentionBackend
-from .paged_attention import paged_attention_fake
+from .paged_attention import paged_attention_fake, rotate_qk
 
 
 @torch.library.custom_op("autodeploy::paged_attention_flashinfer", mutates_args=("kv_cache",))
@@ -32,11 +33,15 @@ def paged_attention_flashinfer(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> torch.Tensor:
     if sinks is not None:
         raise UnsupportedPatternError("the flashinfer backend does not support attention sinks (use triton)")
     from ..kernels.flashinfer_paged import flashinfer_paged_attention
 
+    q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)  # FlashInfer's own RoPE takes positions
     return flashinfer_paged_attention(
         q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping,
         scale, sliding_window, logit_softcap,

@@ -1,7 +1,8 @@
 """Triton backend of paged attention: ``autodeploy::paged_attention_triton``.
 
 Same schema and semantics as the reference ``autodeploy::paged_attention`` (cache write, then
-causal paged attention; ``query_lens`` is implied by ``cu_seqlens``). The kernels live in
+causal paged attention, optionally rotating q and k first; ``query_lens`` is implied by
+``cu_seqlens``). The kernels live in
 ``autodeploy.kernels.paged_attention`` and are imported on first call. The op never synchronises
 with the host, so it can run inside a captured CUDA graph.
 """
@@ -29,12 +30,15 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> torch.Tensor:
     from ..kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
         q, k, v, kv_cache, cu_seqlens, context_lens, block_table, slot_mapping,
-        scale, sliding_window, logit_softcap, sinks,
+        scale, sliding_window, logit_softcap, sinks, rope_cos, rope_sin, rope_interleaved,
     )
 
 

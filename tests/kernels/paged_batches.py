@@ -32,10 +32,12 @@ def step_metadata(chunks: list[tuple[int, int, tuple[int, ...]]], page: int, pad
     return meta.query_lens, meta.context_lens, meta.cu_seqlens, meta.block_table, slots
 
 
-def run_schedule(op, q, k, v, blocks, schedule, page, cache, scale, window=None, softcap=None, sinks=None):
+def run_schedule(op, q, k, v, blocks, schedule, page, cache, scale, window=None, softcap=None, sinks=None,
+                 rope=None):
     """Feed per-sequence q/k/v ([L, H, D] each) to ``op`` step by step; return per-sequence outputs.
 
-    ``schedule`` is a list of steps, each a list of (sequence, tokens) pairs, run in order.
+    ``schedule`` is a list of steps, each a list of (sequence, tokens) pairs, run in order. ``rope``:
+    (per-sequence cos, per-sequence sin ([L, R] each), interleaved), fed to the op's rotary inputs.
     """
     done = [0] * len(q)
     outs = [torch.zeros_like(x) for x in q]
@@ -44,8 +46,9 @@ def run_schedule(op, q, k, v, blocks, schedule, page, cache, scale, window=None,
         rows = [(s, done[s], done[s] + n) for s, n in step]
         take = lambda xs: torch.cat([xs[s][a:b] for s, a, b in rows])  # noqa: E731
         query_lens, context_lens, cu, table, slots = step_metadata(chunks, page)
+        rotary = (take(rope[0]), take(rope[1]), rope[2]) if rope else ()
         out = op(take(q), take(k), take(v), cache, query_lens, context_lens, cu, table, slots, scale,
-                 window, softcap, sinks)
+                 window, softcap, sinks, *rotary)
         offset = 0
         for s, a, b in rows:
             outs[s][a:b] = out[offset: offset + b - a]

@@ -1,11 +1,13 @@
 """Golden test (rule of the house 4) on every available paged-attention backend:
-full-sequence dense attention == prefill then token-by-token decode == chunked prefill."""
+full-sequence dense attention == prefill then token-by-token decode == chunked prefill, without and
+with the rotary embedding folded into the op (``fuse_rope_attention``)."""
 
 import pytest
 import torch
 
 from autodeploy.errors import ConfigError
 from autodeploy.ops.attention_backends import ATTENTION_BACKENDS, resolve_attention_backend
+from autodeploy.ops.rope import rope_reference
 from paged_batches import random_cache, run_schedule, shuffled_blocks
 
 PAGE, BLOCKS, SCALE = 4, 32, 0.35
@@ -58,15 +60,42 @@ def test_golden_window_softcap_sinks(backend):
     _golden(backend, 4, 2, torch.float32, window=4, softcap=3.0, sinks=sinks)
 
 
-def _golden(backend, heads, kv_heads, dtype, window, softcap, sinks):
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_golden_with_rope(backend, heads, kv_heads, dtype):
+    _golden(backend, heads, kv_heads, dtype, window=None, softcap=None, sinks=None, rope=(16, False))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_golden_with_partial_interleaved_rope_and_window(backend):
+    _golden(backend, 4, 2, torch.float32, window=4, softcap=None, sinks=None, rope=(8, True))
+
+
+def _rotary(rope, dtype):
+    """Per-sequence cos/sin of positions 0.. (as a model computes them) and the dense reference's rotation."""
+    if rope is None:
+        return None, lambda x, s: x
+    rot_dim, interleaved = rope
+    angles = [torch.arange(n)[:, None] * 0.1 * torch.arange(1, rot_dim + 1)[None, :] for n in LENGTHS]
+    cos, sin = [a.cos().to(dtype) for a in angles], [a.sin().to(dtype) for a in angles]
+
+    def rotate(x, s):  # in fp32, rounded once: tolerances cover the torch backend's rotation in fp16
+        return rope_reference(x.float(), cos[s].float()[:, None], sin[s].float()[:, None], interleaved).to(dtype)
+
+    return (cos, sin, interleaved), rotate
+
+
+def _golden(backend, heads, kv_heads, dtype, window, softcap, sinks, rope=None):
     op = ATTENTION_BACKENDS.get(backend).op
     q, k, v = ([torch.randn(n, h, 16).to(dtype) for n in LENGTHS] for h in (heads, kv_heads, kv_heads))
-    want = [_dense(*x, window, softcap, sinks) for x in zip(q, k, v)]
+    rotary, rotate = _rotary(rope, dtype)
+    want = [_dense(rotate(q[s], s), rotate(k[s], s), v[s], window, softcap, sinks) for s in range(len(LENGTHS))]
     blocks = shuffled_blocks(LENGTHS, PAGE, BLOCKS)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for name, schedule in _schedules().items():
         cache = random_cache(BLOCKS, PAGE, kv_heads, 16, dtype)
-        got = run_schedule(op, q, k, v, blocks, schedule, PAGE, cache, SCALE, window, softcap, sinks)
+        got = run_schedule(op, q, k, v, blocks, schedule, PAGE, cache, SCALE, window, softcap, sinks, rotary)
         for s in range(len(LENGTHS)):
             torch.testing.assert_close(got[s].float(), want[s].float(), atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 

@@ -37,7 +37,10 @@ def test_fused_graph_and_hook_loading(compiled):
     path, model, sources = compiled
     counts = model.report.op_counts
     assert counts["fused_add_rms_norm"] == 4 and counts["fused_swiglu"] == 2 and counts.get("swiglu", 0) == 0
-    assert counts["rope_qk"] == 2 and counts.get("rope", 0) == 0
+    # each layer's q/k rotation: one rope_qk (fuse stage), then folded into its paged attention
+    assert counts.get("rope_qk", 0) == 0 and counts.get("rope", 0) == 0
+    attentions = model.gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.paged_attention.default)
+    assert len(attentions) == 2 and all(n.kwargs["rope_cos"] is not None for n in attentions)
     assert [type(s) for s in sources] == [SafetensorsSource]  # no fallback to a second host copy
     state = load_file(next(path.glob("*.safetensors")))
     params = dict(model.gm.named_parameters())
@@ -67,4 +70,12 @@ def test_canary_passes_on_the_triton_backend(compiled):
             if node.target == torch.ops.autodeploy.paged_attention_triton.default:
                 node.target = torch.ops.autodeploy.paged_attention.default
         model.gm.recompile()
+    assert result.passed, result.summary()
+
+
+def test_rope_stays_a_separate_op_with_the_fold_switched_off(tiny_llama):
+    model = autodeploy.compile(tiny_llama, device="cpu", dtype="float32", max_seq_len=64,
+                               passes={"fuse_rope_attention": {"enabled": False}})
+    assert model.report.op_counts["rope_qk"] == 2
+    result = run_check(tiny_llama, steps=2, prompt_lens=(5, 9), chunk_size=4, compiled=model)
     assert result.passed, result.summary()

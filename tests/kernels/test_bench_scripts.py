@@ -1,0 +1,26 @@
+"""The GPU benchmark scripts import on a machine without a GPU, and their host-side inputs are right."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from autodeploy.ops.rope import rope_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import kernels_gpu  # noqa: E402
+
+
+def test_rotary_rows_are_the_rotation_of_each_tokens_position():
+    """decode+rope rows: token i of a (context c, n new) sequence sits at position c + i."""
+    cos, sin = kernels_gpu.rotary_rows([(5, 2), (0, 1)], device="cpu")
+    assert cos.shape == sin.shape == (3, kernels_gpu.D) and cos.dtype == torch.bfloat16
+    x = torch.randn(3, 1, kernels_gpu.D)
+    rotated = rope_reference(x, cos.float()[:, None], sin.float()[:, None], False)
+    assert torch.allclose(rotated[2], x[2])  # position 0: no rotation
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1), atol=0.05, rtol=0.02)  # a rotation
+    half = kernels_gpu.D // 2
+    assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])  # half-rotate
+    want = torch.tensor([5.0, 6.0, 0.0])  # the first frequency is 1: column 0 is the angle of the position
+    torch.testing.assert_close(cos[:, 0].float(), want.cos(), atol=1e-2, rtol=0)
+    torch.testing.assert_close(sin[:, 0].float(), want.sin(), atol=1e-2, rtol=0)
