@@ -36,14 +36,18 @@ def host_split(model, chunks, steps: int = 50) -> None:
           f"wait for ids {wait / steps * 1e6:.0f} us", flush=True)
 
 
-def kernel_table(model, chunks, steps: int = 5, top: int = 22) -> None:
+def kernel_table(model, chunks, steps: int = 5, top: int = 22, step=None) -> None:
+    """Kernels of ``steps`` steps: bare model steps of ``chunks``, or calls of ``step``."""
     from torch.profiler import ProfilerActivity, profile
 
+    step = step or (lambda: model(chunks).argmax(-1).tolist())
     for _ in range(3):
-        model(chunks).argmax(-1).tolist()
+        step()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            model(chunks).argmax(-1).tolist()
+            step()
+        torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time_total for e in events) / steps
     count = sum(e.count for e in events) / steps
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--eager", action="store_true", help="also profile a prefill and a mixed step")
+    parser.add_argument("--engine", action="store_true", help="also profile the engine's decode steps")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     max_batch = max(batches + ([256] if args.eager else []))
@@ -113,6 +118,12 @@ def main() -> None:
         print(f"== {args.shape} batch {b}: {ms:.3f} ms/step", flush=True)
         host_split(model, chunks)
         kernel_table(model, chunks)
+        if args.engine:
+            from autodeploy.serve.bench import decoding_engine
+
+            engine = decoding_engine(model, b, args.context - 4, 16)
+            print(f"== {args.shape} batch {b}: engine decode steps", flush=True)
+            kernel_table(model, None, step=engine.step)
 
 
 if __name__ == "__main__":

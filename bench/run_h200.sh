@@ -43,7 +43,7 @@ for s in "$@"; do
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
         --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;
     serving) config_dir 8b; serving ;;
-    profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64
+    profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64 --engine
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac
 done

@@ -167,13 +167,7 @@ def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int =
     """One engine decode step in steady state: ``batch_size`` sequences of ``context_len`` prompt
     tokens, all decoding (scheduling, metadata, sampling and bookkeeping included; with overlap they
     run while the device computes)."""
-    engine = Engine(model, None, EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap))
-    params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True, temperature=0, detokenize=False)
-    rng = random.Random(0)
-    for i in range(batch_size):
-        engine.add_request(str(i), [rng.randrange(model.vocab_size) for _ in range(context_len)], params)
-    while not _all_decoding(engine.last_schedule, batch_size):
-        engine.step()
+    engine = decoding_engine(model, batch_size, context_len, warmup + steps + 2, overlap)
     for _ in range(warmup):
         engine.step()
     _sync(model.device)
@@ -185,6 +179,19 @@ def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int =
     for i in range(batch_size):
         engine.abort_request(str(i))
     return timing
+
+
+def decoding_engine(model, batch_size: int, context_len: int, max_tokens: int, overlap: bool | None = None) -> Engine:
+    """An engine whose ``batch_size`` requests (random prompts) have all been prefilled: every
+    further step decodes all of them, until ``max_tokens``."""
+    engine = Engine(model, None, EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False)
+    rng = random.Random(0)
+    for i in range(batch_size):
+        engine.add_request(str(i), [rng.randrange(model.vocab_size) for _ in range(context_len)], params)
+    while not _all_decoding(engine.last_schedule, batch_size):
+        engine.step()
+    return engine
 
 
 def _all_decoding(schedule, batch_size: int) -> bool:
