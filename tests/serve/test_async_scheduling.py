@@ -1,5 +1,6 @@
 """Async scheduling (``EngineConfig(overlap=True)``): step n + 1 is launched before step n's tokens
-reach the host, and nothing a request sees may change because of it."""
+reach the host, and nothing a request sees may change because of it (preemption with overlap:
+``test_engine.py``)."""
 
 import pytest
 import torch
@@ -52,18 +53,6 @@ def test_overlap_gives_identical_outputs(compiled, tokenizer, max_batch_size, ma
     assert _everything(results[True]) == _everything(results[False])
     reasons = {c.finish_reason for o in results[True] for c in o.outputs}
     assert reasons == {"stop", "length"}  # both ways of ending were exercised
-
-
-def test_overlap_under_preemption_matches_uncontended(compiled):
-    prompts = _prompts(compiled.vocab_size, [20, 12, 25, 17, 9, 22], shared_prefix=8, seed=1)
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)] * 3
-    uncontended = run_batched(Engine(compiled, None, EngineConfig(overlap=False)), prompts, params)
-    tight = Engine(compiled, None, EngineConfig(num_blocks=12, overlap=True))
-    contended = run_batched(tight, prompts, params)
-    assert tight.stats().num_preemptions > 0
-    assert _everything(contended) == _everything(uncontended)
-    assert tight.blocks.num_used == 0
 
 
 def test_each_step_is_launched_before_the_previous_one_is_waited_for(compiled, monkeypatch):

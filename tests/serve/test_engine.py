@@ -56,13 +56,14 @@ def test_batched_equals_one_at_a_time(compiled, prefix_caching):
     assert batched_engine.blocks.num_used == 0 and single_engine.blocks.num_used == 0
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_kv_exhaustion_preempts_and_still_matches_uncontended(compiled, prefix_caching):
+@pytest.mark.parametrize("prefix_caching, overlap", [(True, False), (False, False), (True, True)])
+def test_kv_exhaustion_preempts_and_still_matches_uncontended(compiled, prefix_caching, overlap):
+    """Also with async scheduling (overlap): a preempted sequence may have a token still in flight."""
     prompts = _prompts(compiled.vocab_size, [20, 12, 25, 17, 9, 22], shared_prefix=8, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)] * 3
     uncontended = run_batched(Engine(compiled, None, EngineConfig(enable_prefix_caching=prefix_caching)), prompts, params)
-    tight = Engine(compiled, None, EngineConfig(num_blocks=12, enable_prefix_caching=prefix_caching))
+    tight = Engine(compiled, None, EngineConfig(num_blocks=12, enable_prefix_caching=prefix_caching, overlap=overlap))
     contended = run_batched(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     assert tokens(contended) == tokens(uncontended)
