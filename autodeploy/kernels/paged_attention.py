@@ -19,7 +19,7 @@ can be captured in a CUDA graph):
   Nobody reads a pool slot written in the same launch: no race, no second kernel;
 - ``num_splits > 1`` is flash-decoding: each split walks one contiguous segment of the visible keys
   and writes a partial output and its log2-sum-exp; the split that arrives last at its tile's
-  counter merges them into ``out`` (see ``_finish_splits``), so there is no combine kernel either.
+  counter merges them into ``out`` (see ``_merge_splits``), so there is no combine kernel either.
 - with a fused rotary embedding (``ROPE``, from ``fuse_rope_attention``), q is rotated when its tile
   is loaded and every new key when it is loaded from the inputs, for attention and for the cache
   write alike (pooled keys were rotated when they were written); decode launches walk the new keys
