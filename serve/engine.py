@@ -28,12 +28,11 @@ import torch
 
 from autodeploy.compiled import CompiledModel
 from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
+from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
 from autodeploy.sampling_params import SamplingParams
 
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
-
-from .runner import ModelRunner, PendingStep, StepResult
+from .runner import ModelRunner, PendingStep
 from .sampler import Sampler
 from .scheduler import Schedule, Scheduler
 from .sequence import Request, Sequence, Status, new_sequences
