@@ -1,10 +1,12 @@
 """Fusion passes (stage ``fuse``): fewer, larger kernels. Each is switchable in the pipeline YAML.
 
 - ``fuse_qkv``: sibling linears on one input -> one GEMM + slices (``transforms/fuse_qkv.py``);
-- ``fuse_gate_up``: ``swiglu`` -> ``fused_swiglu`` with one gate/up GEMM (``transforms/fuse_gate_up.py``);
+- ``fuse_gate_up``: ``swiglu`` -> one gate/up GEMM + ``swiglu_down`` (``transforms/fuse_gate_up.py``);
 - ``fuse_add_rms_norm``: residual add + RMSNorm -> one kernel, and RMSNorm reading bf16/fp16
   directly instead of an fp32 copy (``transforms/fuse_add_rms_norm.py``);
-- ``fuse_rope_qk``: the q and k rotations of an attention in one launch (``transforms/fuse_rope_qk.py``).
+- ``fuse_rope_qk``: the q and k rotations of an attention in one launch (``transforms/fuse_rope_qk.py``);
+- ``fuse_norm_linear``: an RMSNorm read only by one linear -> one op, a single GEMV kernel for decode
+  steps of a few tokens (``transforms/fuse_norm_linear.py``).
 
 The two GEMM fusions create stacked parameters on meta and register a load hook per checkpoint
 tensor that copies it into its rows of the stacked parameter on the device (allocated when the
@@ -22,6 +24,7 @@ from autodeploy.graph.params import FusedParameter
 from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
 from autodeploy.transforms.fuse_add_rms_norm import fold_norm_input_casts, fuse_add_rms_norm
 from autodeploy.transforms.fuse_gate_up import fuse_gate_up
+from autodeploy.transforms.fuse_norm_linear import fuse_norm_linear
 from autodeploy.transforms.fuse_qkv import fuse_sibling_linears
 from autodeploy.transforms.fuse_rope_qk import fuse_rope_qk
 
@@ -112,3 +115,14 @@ class FuseRoPEQK(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         result = fuse_rope_qk(ctx.gm)
         return PassResult(result.matches, f"{result.matches} q/k rotation pairs, {result.rejected} left apart")
+
+
+class FuseNormLinear(Pass):
+    name = "fuse_norm_linear"
+    stage = Stage.FUSE
+    requires = ("norms_canonical",)
+    ensures = ("norm_linear_fused",)
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        result = fuse_norm_linear(ctx.gm)
+        return PassResult(result.matches, f"{result.matches} norms folded into their linear, {result.rejected} left")

@@ -1,8 +1,10 @@
-"""fuse_gate_up: ``swiglu(x, W_gate, W_up, W_down)`` -> ``fused_swiglu(x, cat(W_gate, W_up), W_down)``.
+"""fuse_gate_up: ``swiglu(x, W_gate, W_up, W_down)`` -> ``swiglu_down(linear(x, cat(W_gate, W_up)), W_down)``.
 
-One GEMM for gate and up, then one Triton ``act(gate) * up`` pass over its two halves (on CUDA).
+One GEMM for gate and up, then ``swiglu_down``: ``act(gate) * up`` over the two halves of its output
+and the down projection (on CUDA one Triton activation pass and a GEMM, or one fused GEMV for a few
+rows). The gate/up GEMM is a plain linear, so ``fuse_norm_linear`` can fold the norm before it.
 Gated MLPs whose checkpoint already stacks gate/up (Phi-3: the canonical op reads two row slices of
-one parameter) become ``fused_swiglu`` on that parameter directly. Otherwise both weights must be
+one parameter) use that parameter directly. Otherwise both weights must be
 parameters read once (``can_fuse`` as in fuse_qkv); the stacked parameters are returned for the
 pass to register load hooks. A graph function (it creates parameters), like fuse_qkv.
 """
@@ -20,7 +22,7 @@ from autodeploy.graph.rewrite import RuleResult
 
 aten = torch.ops.aten
 SWIGLU = torch.ops.autodeploy.swiglu.default
-FUSED_SWIGLU = torch.ops.autodeploy.fused_swiglu.default
+SWIGLU_DOWN = torch.ops.autodeploy.swiglu_down.default
 
 
 def fuse_gate_up(
@@ -74,9 +76,12 @@ def _slice_args(node: fx.Node) -> tuple:
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, args: tuple) -> None:
+    x, w_gate_up, w_down, *activation = args
     with gm.graph.inserting_before(node):
-        fused = gm.graph.call_function(FUSED_SWIGLU, args)
-    fused.meta["autodeploy_provenance"] = "fuse_gate_up"
-    propagate_meta(gm, [fused])
-    node.replace_all_uses_with(fused)
+        gate_up = gm.graph.call_function(aten.linear.default, (x, w_gate_up))
+        down = gm.graph.call_function(SWIGLU_DOWN, (gate_up, w_down, *activation))
+    for new in (gate_up, down):
+        new.meta["autodeploy_provenance"] = "fuse_gate_up"
+    propagate_meta(gm, [gate_up, down])
+    node.replace_all_uses_with(down)
     gm.graph.erase_node(node)

@@ -27,13 +27,19 @@ def _act_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, n_c
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    out = activate(gate, ACTIVATION) * up
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def activate(gate, ACTIVATION: tl.constexpr):
+    """``act(gate)`` of an fp32 tensor; ``ACTIVATION`` is a value of ``ACTIVATION_IDS``."""
     if ACTIVATION == 0:
-        act = gate / (1.0 + tl.exp(-gate))
+        return gate / (1.0 + tl.exp(-gate))
     elif ACTIVATION == 1:
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
     else:
-        act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        return 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

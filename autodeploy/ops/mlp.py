@@ -2,9 +2,9 @@
 
 ``swiglu(x, w_gate, w_up, w_down, activation)`` = ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``
 with ``activation`` one of ``silu`` (SwiGLU), ``gelu`` or ``gelu_tanh`` (GeGLU).
-``fused_swiglu(x, w_gate_up, w_down, activation)`` is the same with the gate and up rows stacked in
-one weight (gate first; ``fuse_gate_up``): one GEMM instead of two. On CUDA ``act(gate) * up`` is one
-Triton kernel (``autodeploy.kernels.activation``) reading the GEMM outputs in place.
+``fuse_gate_up`` turns it into one GEMM on the gate and up rows stacked in one weight followed by
+``swiglu_down`` (``ops/fused_linear.py``); on CUDA ``act(gate) * up`` is one Triton kernel
+(``autodeploy.kernels.activation``) reading the two halves of that GEMM's output in place.
 
 ``moe(x[T, H], topk_ids[T, K], topk_weights[T, K], w_gate_up[E, 2I, H], w_down[E, H, I])``: each
 token goes through its K experts (a gated MLP whose gate and up rows are stacked in ``w_gate_up``,
@@ -43,17 +43,6 @@ def swiglu(
 
 @swiglu.register_fake
 def _(x, w_gate, w_up, w_down, activation="silu"):
-    return x.new_empty(*x.shape[:-1], w_down.shape[0])
-
-
-@torch.library.custom_op("autodeploy::fused_swiglu", mutates_args=())
-def fused_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(gated_activation(gate, up, activation), w_down)
-
-
-@fused_swiglu.register_fake
-def _(x, w_gate_up, w_down, activation="silu"):
     return x.new_empty(*x.shape[:-1], w_down.shape[0])
 
 

@@ -80,8 +80,8 @@ def test_demo_checkpoint_is_converted_losslessly(demo_dir):
 @needs_demo
 def test_compiled_demo_model_runs(llm):
     counts = llm.model.report.op_counts
-    assert (counts["paged_attention"], counts["rms_norm"], counts["fused_add_rms_norm"]) == (30, 1, 60)
-    assert counts["fused_swiglu"] == 30
+    assert (counts["paged_attention"], counts["rms_norm_linear"], counts["add_rms_norm_linear"]) == (30, 1, 59)
+    assert (counts["fused_add_rms_norm"], counts["swiglu_down"]) == (1, 30)
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 4
 

@@ -4,7 +4,8 @@ from autodeploy.testing import check_rewrite
 from autodeploy.transforms.fuse_gate_up import fuse_gate_up
 
 SWIGLU = torch.ops.autodeploy.swiglu.default
-FUSED = torch.ops.autodeploy.fused_swiglu.default
+SWIGLU_DOWN = torch.ops.autodeploy.swiglu_down.default
+LINEAR = torch.ops.aten.linear.default
 
 
 class CanonicalMLP(torch.nn.Module):
@@ -40,13 +41,14 @@ def _fuse(gm):
 def test_separate_gate_and_up_are_stacked():
     check = check_rewrite(CanonicalMLP("gelu_tanh"), (torch.randn(1, 4, 16),), _fuse, expected_matches=1,
                           second_inputs=(torch.randn(1, 6, 16),), dynamic={0: 1}, atol=1e-4)
-    assert (check.count(SWIGLU), check.count(FUSED)) == (0, 1)
+    assert (check.count(SWIGLU), check.count(LINEAR), check.count(SWIGLU_DOWN)) == (0, 1, 1)
     params = dict(check.gm.named_parameters())
     assert set(params) == {"fused_gate_up", "down"} and tuple(params["fused_gate_up"].shape) == (48, 16)
 
 
 def test_already_stacked_weight_is_used_as_is():
     check = check_rewrite(Phi3MLP(), (torch.randn(5, 16),), _fuse, expected_matches=1, atol=1e-4)
+    assert (check.count(LINEAR), check.count(SWIGLU_DOWN)) == (1, 1)
     assert set(dict(check.gm.named_parameters())) == {"gate_up", "down"}
     _, fused = fuse_gate_up(check.gm)
     assert fused == []

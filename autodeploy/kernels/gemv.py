@@ -1,0 +1,222 @@
+"""Linear layers of a few rows with the elementwise step before them fused in (decode steps).
+
+``out[M, N] = prologue(x) @ W[N, K].T (+ bias)`` for small M, where the prologue is one of
+
+- ``NONE``: ``x``;
+- ``RMS_NORM``: ``rms_norm(x, norm_weight, eps)``;
+- ``ADD_RMS_NORM``: ``rms_norm(x + residual)``; ``x + residual`` is returned too (program 0 writes it);
+- ``GATED``: ``act(x[:, :K]) * x[:, K:]``, the down projection of a gated MLP reading the output of
+  the gate/up GEMM in place.
+
+A decode step of a few sequences streams each weight once while its activations are a few KB, so a
+linear layer costs its weight stream plus a launch: folding the norm or the activation into the
+operand load of the GEMM removes a launch and a round trip through memory per layer. One program
+computes ``BLOCK_N`` output features of every row over the whole K (no split-K: the epilogue needs
+no reduction); each program reads all of x from L2, which is why this is for few rows only
+(``gemv_rows_ok``). The dot runs on the tensor cores with the rows padded to 16.
+
+RMSNorm's ``1/rms`` is a per-row factor of the dot product, so the kernel accumulates ``sum(x^2)``
+alongside the dot and scales the accumulator once at the end: the norm costs no pass of its own.
+The GEMM operand is then ``x * w`` rounded to x's dtype instead of ``x * w / rms`` (a rounding of
+the same size, bf16 and fp32). fp16 could overflow on ``x * w`` where the reference does not: for
+fp16 a first pass computes ``1/rms`` and the operand is exactly the reference's (``TWO_PASS``).
+
+With PDL (``autodeploy.kernels.pdl``) a program may prefetch the start of its weight rows into L2
+(``PREFETCH_K`` elements per row) before it waits for the kernel before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .activation import ACTIVATION_IDS, activate
+
+
+class Prologue(IntEnum):
+    NONE = 0
+    RMS_NORM = 1
+    ADD_RMS_NORM = 2
+    GATED = 3
+
+
+# the kernel's spelling of the same values (a jit function reads only constexpr globals)
+NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
+MAX_ROWS = 16  # rows of one program (the tensor cores' smallest M); callers keep M far below (gemv_rows_ok)
+
+
+@triton.jit
+def _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, mask, K, rstd, sumsq, write_sum,
+             stride_xm, stride_rm, stride_sm,
+             PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr):
+    """The GEMM operand [BLOCK_M, BLOCK_K] of columns ``ks`` in x's dtype, and the updated sum(x^2)."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if PROLOGUE == GATED:
+        up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=mask, other=0.0)
+        return (activate(x.to(tl.float32), ACTIVATION) * up.to(tl.float32)).to(dtype), sumsq
+    if PROLOGUE == ADD_RMS_NORM:
+        residual = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if write_sum:
+            tl.store(sum_ptr + rows[:, None] * stride_sm + ks[None, :], x, mask=mask)
+    if PROLOGUE == NONE:
+        return x, sumsq
+    xf = x.to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    if TWO_PASS:
+        return (xf * rstd[:, None] * norm_w).to(dtype), sumsq
+    return (xf * norm_w).to(dtype), sumsq + tl.sum(xf * xf, 1)
+
+
+@triton.jit
+def _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
+                 PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1/rms of each row of x (or of x + residual, rounded as the kernel rounds it): the first pass."""
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+        if PROLOGUE == ADD_RMS_NORM:
+            residual = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, 1)
+    return tl.rsqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, w_rows, col_ok, K, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first ``PREFETCH_K`` elements of this program's weight rows, one request per
+    cache line; lanes past the weight ask for its first line instead (a prefetch never faults, but
+    it should not fetch another tensor's lines)."""
+    lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+    ptrs = tl.where(col_ok[:, None] & (lines < K)[None, :], w_rows + lines[None, :], w_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
+    PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    pdl.allow_dependents(PDL)
+    if PREFETCH_K > 0:  # the weights are no kernel's output: they may be read before the wait
+        _prefetch_l2(w_ptr, w_rows, col_ok, K, PREFETCH_K, LINE)
+    pdl.wait(PDL)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TWO_PASS:
+        rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
+                            PROLOGUE, BLOCK_M, BLOCK_K)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        # loaded as [BLOCK_K, BLOCK_N] (K contiguous per column) so it goes to shared memory by cp.async
+        w = tl.load(tl.trans(w_rows) + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & k_ok[None, :], K,
+                            rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm,
+                            PROLOGUE, ACTIVATION, TWO_PASS)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
+        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """Block sizes and pipelining of one GEMV launch (a function of N and K only)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    prefetch_k: int = 1024  # elements of each weight row prefetched into L2 before the PDL wait
+
+    @classmethod
+    def choose(cls, n: int, k: int) -> "GemvLaunch":
+        # 16 output features per program: 256-400 programs for the 8B shape's projections, two to
+        # three per SM in one wave; wide layers take 32 to halve how often x is re-read. K blocks
+        # of 128, 4 stages deep (cp.async): 16 KB of weights in flight per program at 94-140
+        # registers with a norm prologue (bench/compile_sm90.py).
+        return cls(block_n=16 if n <= 8192 else 32, block_k=min(128, max(16, triton.next_power_of_2(k))))
+
+
+def gemv_rows_ok(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether ``gemv`` handles this linear: few rows, a row-major weight, a float dtype."""
+    return (x.numel() // max(x.shape[-1], 1) <= max_rows and weight.dim() == 2 and weight.stride(-1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: Prologue = Prologue.NONE,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    activation: str = "silu",
+    launch: GemvLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(prologue(x) @ weight.T + bias, x + residual or None)`` for x [..., K] of at most 16 rows.
+
+    ``GATED`` reads x [..., 2K] (gate then up); ``ADD_RMS_NORM`` also returns ``x + residual``.
+    """
+    n, k = weight.shape
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    m = rows.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {m}")
+    if rows.shape[1] != (2 * k if prologue == Prologue.GATED else k):
+        raise ValueError(f"x has {rows.shape[1]} columns, weight {tuple(weight.shape)} (prologue {prologue})")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res = summed = rows
+    if prologue == Prologue.ADD_RMS_NORM:
+        res = residual.reshape(-1, k)
+        res = res if res.stride(-1) == 1 else res.contiguous()
+        summed = torch.empty_like(rows)
+    if m:
+        _launch(rows, res, norm_weight if norm_weight is not None else weight, weight, bias, out, summed, eps,
+                prologue, activation, launch or GemvLaunch.choose(n, k))
+    shape = (*x.shape[:-1], n)
+    return out.view(shape), (summed.view(x.shape) if prologue == Prologue.ADD_RMS_NORM else None)
+
+
+def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation, launch: GemvLaunch):
+    m, n, k = rows.shape[0], *weight.shape
+    options = pdl.launch_options(rows.device)
+    line = 128 // rows.element_size()
+    prefetch = min(launch.prefetch_k, triton.next_power_of_2(k)) if options["PDL"] else 0
+    _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+        rows, res, norm_w, weight, bias if bias is not None else weight, out, summed,
+        m, n, k, rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
+        PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
+        TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+        PREFETCH_K=prefetch if prefetch >= line else 0, LINE=line,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **options,
+    )

@@ -1,0 +1,101 @@
+"""Linear layers with the step before them fused in (``fuse_norm_linear``, ``fuse_gate_up``).
+
+- ``rms_norm_linear(x, norm_weight, eps, weight, bias)`` =
+  ``linear(rms_norm(x, norm_weight, eps), weight, bias)``;
+- ``add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)`` =
+  ``(linear(rms_norm(x + residual, ...), weight, bias), x + residual)``;
+- ``swiglu_down(gate_up, w_down, activation)`` = ``linear(act(gate) * up, w_down)`` where ``gate`` and
+  ``up`` are the two halves of ``gate_up`` (gate first): the down projection of a gated MLP whose gate
+  and up GEMMs are one.
+
+On CUDA a call of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few sequences) is one Triton
+GEMV with the norm or the activation fused into its operand loads (``autodeploy.kernels.gemv``):
+one launch instead of two. Larger calls, and the CPU, run the pieces: the norm or activation op
+(its Triton kernel on CUDA), then the GEMM. Each op is exactly its composition on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import use_triton
+from .mlp import gated_activation
+from .norm import fused_add_rms_norm, rms_norm
+
+# Up to this many rows the fused GEMV beats norm/activation kernel + cuBLAS; every program of the
+# GEMV re-reads all rows of x from L2, so the advantage shrinks with rows (docs/perf.md).
+# AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off (read once: the check sits on every linear's path).
+GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_GEMV_MAX_ROWS", "4"))
+
+
+def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The GEMV kernel module when this call should use it, else None."""
+    if not use_triton(x):
+        return None
+    from ..kernels import gemv
+
+    return gemv if gemv.gemv_rows_ok(x, weight, GEMV_MAX_ROWS) else None
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("autodeploy::rms_norm_linear", mutates_args=())
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    gemv = _gemv_kernels(x, weight)
+    if gemv is not None:
+        prologue = gemv.Prologue.RMS_NORM
+        return gemv.gemv(x, weight, bias, prologue=prologue, norm_weight=norm_weight, eps=eps)[0]
+    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+
+
+@rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, bias=None):
+    return _linear_fake(x, weight)
+
+
+@torch.library.custom_op("autodeploy::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gemv = _gemv_kernels(x, weight)
+    if gemv is not None and residual.shape == x.shape and residual.dtype == x.dtype:
+        return gemv.gemv(x, weight, bias, prologue=gemv.Prologue.ADD_RMS_NORM, residual=residual,
+                         norm_weight=norm_weight, eps=eps)
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+@add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    summed = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return _linear_fake(summed, weight), summed
+
+
+@torch.library.custom_op("autodeploy::swiglu_down", mutates_args=())
+def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    gemv = _gemv_kernels(gate_up, w_down)
+    if gemv is not None:
+        return gemv.gemv(gate_up, w_down, prologue=gemv.Prologue.GATED, activation=activation)[0]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(gated_activation(gate, up, activation), w_down)
+
+
+@swiglu_down.register_fake
+def _(gate_up, w_down, activation="silu"):
+    return _linear_fake(gate_up, w_down)
