@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
     LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_range,
@@ -69,8 +70,10 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.allow_dependents(PDL)
+    pdl.wait(PDL)  # everything below reads activations or metadata (kernels/pdl.py)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -283,6 +286,7 @@ def paged_attention_fwd(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
+        **pdl.launch_options(q.device),
     )
     return out
 
