@@ -36,13 +36,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from autodeploy.kernels import activation, kv_cache_write, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels import activation, gemv, kv_cache_write, norm, paged_attention, rope  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 FLOAT_ARGS = {"scale", "softcap", "eps"}
-DIVISIBLE_INTS = {"n_cols"}  # hidden / intermediate sizes: multiples of 16 in every real model
+DIVISIBLE_INTS = {"n_cols", "N", "K"}  # hidden / intermediate sizes: multiples of 16 in every real model
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
@@ -118,11 +118,36 @@ def _attention(dtype="bf16", **overrides):
     const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_Q=4, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=4,
                  SEARCH_BLOCK=paged_attention.SEARCH_BLOCK,
                  HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False,
-                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", SPLIT_NEW_KEYS=False, ROPE=0, ROT_DIM=0)
+                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", SPLIT_NEW_KEYS=False, ROPE=0, ROT_DIM=0,
+                 PDL=False)
     const.update(overrides)
     const.setdefault("DIAG_BLOCK_N", const["BLOCK_N"])
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
     return paged_attention._paged_attention_kernel, pointers, const
+
+
+def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
+    names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
+    pointers = {n: f"*{dtype}" for n in names}
+    line = 128 // {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=gemv.MAX_ROWS,
+                 BLOCK_N=16, BLOCK_K=128, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=pdl,
+                 PREFETCH_K=1024 if pdl else 0, LINE=line)
+    const.update(overrides)
+    return gemv._gemv_kernel, pointers, const
+
+
+def _gemv_variants():
+    """The decode GEMVs of the 8B shape (fused norm / add + norm / gated activation), PDL on and off."""
+    pdl_on = {"launch_pdl": True}
+    yield ("gemv add+norm -> qkv (PDL, prefetch)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM), 4, 4, pdl_on)
+    yield ("gemv norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.RMS_NORM), 4, 4, pdl_on)
+    yield ("gemv gated silu -> down (PDL)", *_gemv(prologue=gemv.Prologue.GATED), 4, 4, pdl_on)
+    yield ("gemv plain, BLOCK_N 32, bias (PDL)", *_gemv(BLOCK_N=32, HAS_BIAS=True), 4, 4, pdl_on)
+    yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 4)
+    two_pass = _gemv("fp16", prologue=gemv.Prologue.ADD_RMS_NORM, TWO_PASS=True)
+    yield ("gemv fp16 add+norm two-pass", *two_pass, 4, 4, pdl_on)
+    yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM), 4, 3, pdl_on)
 
 
 def variants():
@@ -149,6 +174,8 @@ def variants():
     yield ("attn rope decode gqa4 d128 (split 4)", *_attention(**half), 4, 2, options)
     yield ("attn rope decode gqa4 d128 (no split)", *_attention(**dict(half, NUM_SPLITS=1)), 4, 2, options)
     yield ("attn rope decode batch 1", *_attention(num_seqs=1, num_tokens=1, **half), 4, 2, options)
+    yield ("attn rope decode batch 1 (PDL)", *_attention(num_seqs=1, num_tokens=1, **dict(half, PDL=True)), 4, 2,
+           {**options, "launch_pdl": True})
     yield ("attn rope decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16, **half), 4, 2, options)
     yield ("attn rope decode gqa3 d64 (smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64,
                                                               **dict(half, ROT_DIM=64)), 4, 2, options)
@@ -170,6 +197,7 @@ def variants():
     for interleaved in (False, True):
         yield (f"rope d128 {'interleaved' if interleaved else 'half'}", rope._rope_kernel, rope_ptrs,
                dict(rope_const, INTERLEAVED=interleaved), 4, 1)
+    yield from _gemv_variants()
     qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
     yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
 

@@ -146,15 +146,17 @@ def bench_hf_static(model, batch: int, context: int, steps: int) -> tuple[float,
     return timed_steps(step, steps), compile_s
 
 
-def compile_autodeploy(cfg, max_batch: int, context: int, backend: str):
+def compile_autodeploy(cfg, max_batch: int, context: int, backend: str, settings: tuple[str, ...] = ()):
     from autodeploy.compiler import compile_config
-    from autodeploy.config import CompileConfig
+    from autodeploy.config import CompileConfig, parse_set_option, set_dotted
 
     block = 16
     blocks = max_batch * (-(-(context + 32) // block)) + 1
-    config = CompileConfig(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
-                           max_seq_len=context + 32, num_kv_blocks=blocks, tokens_per_block=block,
-                           attention_backend=backend)
+    fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
+                  max_seq_len=context + 32, num_kv_blocks=blocks, tokens_per_block=block, attention_backend=backend)
+    for item in settings:  # --set passes.fuse_norm_linear.enabled=false
+        set_dotted(fields, *parse_set_option(item))
+    config = CompileConfig(**fields)
     start = time.perf_counter()
     model = compile_config(cfg, config)
     return model, time.perf_counter() - start
@@ -215,15 +217,17 @@ def run_shape(shape: str, args, bandwidth: float) -> list[Row]:
         gc.collect()
         torch.cuda.empty_cache()
     if "autodeploy" in args.impls:
-        model, compile_s = compile_autodeploy(cfg, max(batches), args.context, args.backend)
+        model, compile_s = compile_autodeploy(cfg, max(batches), args.context, args.backend, tuple(args.set))
         print(model.report.pass_table(), flush=True)
         note = f"compile {compile_s:.0f} s"
         for b in batches:
-            rows.append(Row(shape, b, "autodeploy", bench_autodeploy(model, b, args.context, args.steps), floor[b], note))
+            rows.append(Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
+                            floor[b], note))
             print(rows[-1], flush=True)
             if "engine" in args.impls:
                 ms, waited = bench_engine(model, b, args.context, args.steps)
-                rows.append(Row(shape, b, "autodeploy_engine", ms, floor[b], f"host waited {waited:.2f} ms/step"))
+                rows.append(Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
+                                f"host waited {waited:.2f} ms/step"))
                 print(rows[-1], flush=True)
         del model
         gc.collect()
@@ -249,6 +253,9 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--impls", default="hf,autodeploy,engine", help="hf, autodeploy, engine (with autodeploy)")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="compile setting of the autodeploy rows (dotted key), e.g. passes.warm_up.enabled=false")
+    parser.add_argument("--label", default="", help="suffix of the autodeploy rows' names (A/B runs)")
     args = parser.parse_args()
     print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)
     bandwidth = copy_bandwidth()

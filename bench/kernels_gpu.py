@@ -294,9 +294,10 @@ def check_split_merge_replays(report: Report, replays: int = 20) -> None:
     report.add(Row("check split merge, graph replays", err, note=f"64 decodes, 16 splits, {replays} replays"))
 
 
-def sweep_decode(report: Report) -> None:
-    """Decode launch configurations and split counts, to tune AttentionLaunch.choose with measurements."""
-    for b, c in ((1, 4096), (8, 4096), (64, 512), (64, 4096)):
+def sweep_decode(report: Report, cases: str = "1x4096,8x4096,64x512,64x4096") -> None:
+    """Decode launch configurations and split counts, to tune AttentionLaunch.choose with measurements;
+    ``cases``: batch x context pairs."""
+    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
         seqs = [(c - 1, 1)] * b
         nbytes, _ = attention_cost(seqs)
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
@@ -317,11 +318,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
     parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
+    parser.add_argument("--sweep-only", default=None, metavar="BxCTX,...",
+                        help="only the decode sweep, for these batch x context cases (e.g. 1x512,64x512)")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     report = Report()
+    if args.sweep_only:
+        sweep_decode(report, args.sweep_only)
+        print(report.table())
+        return 0 if all(r.ok for r in report.rows) else 1
     bench_norms(report)
     bench_act_mul(report)
     bench_rope(report)

@@ -24,3 +24,20 @@ def test_rotary_rows_are_the_rotation_of_each_tokens_position():
     want = torch.tensor([5.0, 6.0, 0.0])  # the first frequency is 1: column 0 is the angle of the position
     torch.testing.assert_close(cos[:, 0].float(), want.cos(), atol=1e-2, rtol=0)
     torch.testing.assert_close(sin[:, 0].float(), want.sin(), atol=1e-2, rtol=0)
+
+
+def test_gemv_chain_variants_compute_the_same_step():
+    """gemv_gpu's fused chain (fused GEMVs, o as a GEMV or not) equals its unfused cuBLAS chain."""
+    import gemv_gpu
+
+    def w(n, k):
+        return torch.randn(n, k) / k**0.5
+
+    layers = [gemv_gpu.Layer(w(48, 32), w(32, 32), w(64, 32), w(32, 32), 1 + 0.1 * torch.randn(32),
+                             1 + 0.1 * torch.randn(32)) for _ in range(2)]
+    x, res = torch.randn(2, 32), torch.randn(2, 32)
+    want = gemv_gpu.step(layers, x, res, gemv_gpu.Variant("cublas", fused=False), None)
+    for variant in gemv_gpu.VARIANTS[1:]:
+        got = gemv_gpu.step(layers, x, res, variant, None)
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t, atol=1e-4, rtol=1e-4)
