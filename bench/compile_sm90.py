@@ -129,25 +129,26 @@ def _attention(dtype="bf16", **overrides):
 def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
     names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
     pointers = {n: f"*{dtype}" for n in names}
-    line = 128 // {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
-    const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=gemv.MAX_ROWS,
-                 BLOCK_N=16, BLOCK_K=128, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=pdl,
-                 PREFETCH_K=1024 if pdl else 0, LINE=line)
+    const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=1,
+                 BLOCK_N=16, BLOCK_K=256, PDL=pdl)
     const.update(overrides)
     return gemv._gemv_kernel, pointers, const
 
 
 def _gemv_variants():
-    """The decode GEMVs of the 8B shape (fused norm / add + norm / gated activation), PDL on and off."""
+    """The decode GEMVs of the 8B shape (fused norm / add + norm / gated activation) at 1 and 4 rows."""
     pdl_on = {"launch_pdl": True}
-    yield ("gemv add+norm -> qkv (PDL, prefetch)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM), 4, 4, pdl_on)
-    yield ("gemv norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.RMS_NORM), 4, 4, pdl_on)
-    yield ("gemv gated silu -> down (PDL)", *_gemv(prologue=gemv.Prologue.GATED), 4, 4, pdl_on)
-    yield ("gemv plain, BLOCK_N 32, bias (PDL)", *_gemv(BLOCK_N=32, HAS_BIAS=True), 4, 4, pdl_on)
-    yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 4)
+    four = dict(BLOCK_M=4, BLOCK_K=128)
+    yield ("gemv add+norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM), 4, 1, pdl_on)
+    yield ("gemv norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
+    yield ("gemv gated silu -> down (PDL)", *_gemv(prologue=gemv.Prologue.GATED), 4, 1, pdl_on)
+    yield ("gemv plain, bias (PDL)", *_gemv(HAS_BIAS=True), 4, 1, pdl_on)
+    yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 1)
+    yield ("gemv add+norm, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, **four), 4, 1, pdl_on)
+    yield ("gemv gated silu, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.GATED, **four), 4, 1, pdl_on)
     two_pass = _gemv("fp16", prologue=gemv.Prologue.ADD_RMS_NORM, TWO_PASS=True)
-    yield ("gemv fp16 add+norm two-pass", *two_pass, 4, 4, pdl_on)
-    yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM), 4, 3, pdl_on)
+    yield ("gemv fp16 add+norm two-pass", *two_pass, 4, 1, pdl_on)
+    yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM, BLOCK_K=128), 4, 1, pdl_on)
 
 
 def variants():

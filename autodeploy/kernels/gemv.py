@@ -12,8 +12,11 @@ A decode step of a few sequences streams each weight once while its activations 
 linear layer costs its weight stream plus a launch: folding the norm or the activation into the
 operand load of the GEMM removes a launch and a round trip through memory per layer. One program
 computes ``BLOCK_N`` output features of every row over the whole K (no split-K: the epilogue needs
-no reduction); each program reads all of x from L2, which is why this is for few rows only
-(``gemv_rows_ok``). The dot runs on the tensor cores with the rows padded to 16.
+no reduction); each program reads all of x from L2 and applies the prologue to it, which is why this
+is for few rows only (``MAX_ROWS``). The products are fp32 FMAs on the CUDA cores, accumulated per
+(row, feature, k-lane) and reduced over k once at the end: padding the rows to the tensor cores' 16
+made every program apply the prologue to 16 rows, and that arithmetic, not the weight stream, set
+the pace (H200: 0.5 TB/s). The next weight tile is loaded while the current one is multiplied.
 
 RMSNorm's ``1/rms`` is a per-row factor of the dot product, so the kernel accumulates ``sum(x^2)``
 alongside the dot and scales the accumulator once at the end: the norm costs no pass of its own.
@@ -21,8 +24,9 @@ The GEMM operand is then ``x * w`` rounded to x's dtype instead of ``x * w / rms
 the same size, bf16 and fp32). fp16 could overflow on ``x * w`` where the reference does not: for
 fp16 a first pass computes ``1/rms`` and the operand is exactly the reference's (``TWO_PASS``).
 
-With PDL (``autodeploy.kernels.pdl``) a program may prefetch the start of its weight rows into L2
-(``PREFETCH_K`` elements per row) before it waits for the kernel before it.
+With PDL (``autodeploy.kernels.pdl``) the next kernel may launch while this one streams, and this
+one waits for the previous kernel before it reads x. (An L2 prefetch of the first weight rows before
+that wait was measured on the H200 and removed: within 1% either way.)
 """
 
 from __future__ import annotations
@@ -47,14 +51,15 @@ class Prologue(IntEnum):
 
 # the kernel's spelling of the same values (a jit function reads only constexpr globals)
 NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
-MAX_ROWS = 16  # rows of one program (the tensor cores' smallest M); callers keep M far below (gemv_rows_ok)
+MAX_ROWS = 4  # every program applies the prologue to all rows: the GEMV is for a few rows only
 
 
 @triton.jit
 def _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, mask, K, rstd, sumsq, write_sum,
              stride_xm, stride_rm, stride_sm,
              PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr):
-    """The GEMM operand [BLOCK_M, BLOCK_K] of columns ``ks`` in x's dtype, and the updated sum(x^2)."""
+    """The GEMM operand [BLOCK_M, BLOCK_K] of columns ``ks`` in x's dtype, and the running x^2 per
+    (row, k-lane), summed over the lanes once after the loop."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
     dtype = x.dtype
     if PROLOGUE == GATED:
@@ -71,7 +76,7 @@ def _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, mask, K, rstd, sumsq
     norm_w = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if TWO_PASS:
         return (xf * rstd[:, None] * norm_w).to(dtype), sumsq
-    return (xf * norm_w).to(dtype), sumsq + tl.sum(xf * xf, 1)
+    return (xf * norm_w).to(dtype), sumsq + xf * xf
 
 
 @triton.jit
@@ -91,80 +96,71 @@ def _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
     return tl.rsqrt(sumsq / K + eps)
 
 
-@triton.jit
-def _prefetch_l2(w_ptr, w_rows, col_ok, K, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the first ``PREFETCH_K`` elements of this program's weight rows, one request per
-    cache line; lanes past the weight ask for its first line instead (a prefetch never faults, but
-    it should not fetch another tensor's lines)."""
-    lines = tl.arange(0, PREFETCH_K // LINE) * LINE
-    ptrs = tl.where(col_ok[:, None] & (lines < K)[None, :], w_rows + lines[None, :], w_ptr)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    lanes = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     pdl.allow_dependents(PDL)
-    if PREFETCH_K > 0:  # the weights are no kernel's output: they may be read before the wait
-        _prefetch_l2(w_ptr, w_rows, col_ok, K, PREFETCH_K, LINE)
     pdl.wait(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TWO_PASS:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
                             PROLOGUE, BLOCK_M, BLOCK_K)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    # products accumulate per k-lane and are summed over k once after the loop (a reduction per
+    # iteration would cross warps); one row broadcasts x over the weight tile
+    acc = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        # loaded as [BLOCK_K, BLOCK_N] (K contiguous per column) so it goes to shared memory by cp.async
-        w = tl.load(tl.trans(w_rows) + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & k_ok[None, :], K,
-                            rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm,
+        ks = k0 + lanes
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        a, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :],
+                            K, rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm,
                             PROLOGUE, ACTIVATION, TWO_PASS)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * tl.sum(a.to(tl.float32), 0)[None, :]
+        else:
+            acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
     if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
-        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+        out = out * tl.rsqrt(tl.sum(sumsq, 1) / K + eps)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @dataclass(frozen=True)
 class GemvLaunch:
-    """Block sizes and pipelining of one GEMV launch (a function of N and K only)."""
+    """Block sizes of one GEMV launch (a function of the shapes only)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 4
-    prefetch_k: int = 1024  # elements of each weight row prefetched into L2 before the PDL wait
 
     @classmethod
-    def choose(cls, n: int, k: int) -> "GemvLaunch":
-        # 16 output features per program: 256-400 programs for the 8B shape's projections, two to
-        # three per SM in one wave; wide layers take 32 to halve how often x is re-read. K blocks
-        # of 128, 4 stages deep (cp.async): 16 KB of weights in flight per program at 94-140
-        # registers with a norm prologue (bench/compile_sm90.py).
-        return cls(block_n=16 if n <= 8192 else 32, block_k=min(128, max(16, triton.next_power_of_2(k))))
+    def choose(cls, n: int, k: int, rows: int = 1) -> "GemvLaunch":
+        # 16 output features per program: 256-1800 programs for the 8B shape's projections. The
+        # accumulator holds rows x 16 x BLOCK_K fp32 values over 128 threads: 32 registers at one
+        # row and K blocks of 256, 64 at four rows and blocks of 128.
+        block_k = 256 if rows == 1 else 128
+        return cls(block_n=16, block_k=min(block_k, max(16, triton.next_power_of_2(k))))
 
 
 def gemv_rows_ok(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
     """Whether ``gemv`` handles this linear: few rows, a row-major weight, a float dtype."""
-    return (x.numel() // max(x.shape[-1], 1) <= max_rows and weight.dim() == 2 and weight.stride(-1) == 1
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (rows <= min(max_rows, MAX_ROWS) and weight.dim() == 2 and weight.stride(-1) == 1
             and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
@@ -180,7 +176,7 @@ def gemv(
     activation: str = "silu",
     launch: GemvLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(prologue(x) @ weight.T + bias, x + residual or None)`` for x [..., K] of at most 16 rows.
+    """``(prologue(x) @ weight.T + bias, x + residual or None)`` for x [..., K] of at most 4 rows.
 
     ``GATED`` reads x [..., 2K] (gate then up); ``ADD_RMS_NORM`` also returns ``x + residual``.
     """
@@ -200,7 +196,7 @@ def gemv(
         summed = torch.empty_like(rows)
     if m:
         _launch(rows, res, norm_weight if norm_weight is not None else weight, weight, bias, out, summed, eps,
-                prologue, activation, launch or GemvLaunch.choose(n, k))
+                prologue, activation, launch or GemvLaunch.choose(n, k, m))
     shape = (*x.shape[:-1], n)
     return out.view(shape), (summed.view(x.shape) if prologue == Prologue.ADD_RMS_NORM else None)
 
@@ -208,15 +204,12 @@ def gemv(
 def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation, launch: GemvLaunch):
     m, n, k = rows.shape[0], *weight.shape
     options = pdl.launch_options(rows.device)
-    line = 128 // rows.element_size()
-    prefetch = min(launch.prefetch_k, triton.next_power_of_2(k)) if options["PDL"] else 0
     _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         rows, res, norm_w, weight, bias if bias is not None else weight, out, summed,
         m, n, k, rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
         TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
-        PREFETCH_K=prefetch if prefetch >= line else 0, LINE=line,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **options,
+        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        num_warps=launch.num_warps, num_stages=1, **options,
     )

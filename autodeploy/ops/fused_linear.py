@@ -8,10 +8,11 @@
   ``up`` are the two halves of ``gate_up`` (gate first): the down projection of a gated MLP whose gate
   and up GEMMs are one.
 
-On CUDA a call of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few sequences) is one Triton
-GEMV with the norm or the activation fused into its operand loads (``autodeploy.kernels.gemv``):
-one launch instead of two. Larger calls, and the CPU, run the pieces: the norm or activation op
-(its Triton kernel on CUDA), then the GEMM. Each op is exactly its composition on the CPU.
+On CUDA a call of at most ``GEMV_MAX_ROWS`` rows on a weight of at most ``GEMV_MAX_WEIGHT_BYTES``
+is one Triton GEMV with the norm or the activation fused into its operand loads
+(``autodeploy.kernels.gemv``): one launch instead of two. Other calls, and the CPU, run the pieces:
+the norm or activation op (its Triton kernel on CUDA), then the GEMM. Each op is exactly its
+composition on the CPU.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from ._triton import use_triton
 from .mlp import gated_activation
 from .norm import fused_add_rms_norm, rms_norm
 
-# Up to this many rows the fused GEMV beats norm/activation kernel + cuBLAS; every program of the
-# GEMV re-reads all rows of x from L2, so the advantage shrinks with rows (docs/perf.md).
+# Where the fused GEMV beat norm/activation kernel + cuBLAS on the H200 (docs/perf.md, 2026-12-03):
+# one row and small weights. All linears of a SmolLM2-135M step (1-3.5 MB weights): 0.52-0.54 ms
+# against 0.67 ms. The 8B shape's (34-235 MB): 4.24 ms at best against 4.01, where cuBLAS streams
+# at 3.5-4.0 TB/s and saving a 2 us norm launch does not pay for the GEMV's lower bandwidth. At 4
+# rows it lost on both shapes (each program applies the prologue to every row).
 # AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off (read once: the check sits on every linear's path).
-GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_GEMV_MAX_ROWS", "4"))
+GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_GEMV_MAX_ROWS", "1"))
+GEMV_MAX_WEIGHT_BYTES = 8 << 20
 
 
 def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
@@ -37,7 +42,8 @@ def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
         return None
     from ..kernels import gemv
 
-    return gemv if gemv.gemv_rows_ok(x, weight, GEMV_MAX_ROWS) else None
+    small = weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+    return gemv if small and gemv.gemv_rows_ok(x, weight, GEMV_MAX_ROWS) else None
 
 
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
