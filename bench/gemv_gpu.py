@@ -1,19 +1,20 @@
 """The decode GEMV (``autodeploy/kernels/gemv.py``) on one GPU: checks, then every linear of a decode step.
 
 1. Checks: each fused prologue (RMSNorm, add + RMSNorm, gated activation; with a bias) against the
-   composition it replaces, computed in fp32 from the same bf16 inputs, at 1/4/8 rows, for the
-   Llama-3.1-8B and SmolLM2-135M projections (bf16 passes below 1e-2).
+   composition it replaces, computed in fp32 from the same bf16 inputs, for the
+   Llama-3.1-8B and SmolLM2-135M projections (bf16 passes below 1e-2), at 1, 2 and 4 rows.
 2. The chain: the linear layers of all decoder layers of one decode step (attention left out: the
    o projection reads the q slice of the qkv output), distinct random weights per layer, captured in
    one CUDA graph and replayed. Variants:
    - ``cublas``: what ran before the fused GEMV: add+RMSNorm kernel, cuBLAS qkv, cuBLAS o, add+RMSNorm,
      cuBLAS gate/up, SiLU-mul kernel, cuBLAS down (7 launches per layer);
    - ``gemv``: add+norm+qkv GEMV, cuBLAS o, add+norm+gate/up GEMV, gated down GEMV (4 launches);
-   - ``+pdl``: the GEMVs launched with programmatic dependent launch; ``+prefetch``: and the start of
-     their weight rows prefetched into L2 before they wait; ``+o gemv``: the o projection as a GEMV too.
+   - ``+pdl``: the GEMVs launched with programmatic dependent launch; ``+o gemv``: the o projection as
+     a GEMV too.
    Printed: ms per step, us per layer, and TB/s of the weights streamed (the floor is weights / copy
    bandwidth, measured in the same run).
-3. ``--sweep``: GEMV launch configs (BLOCK_N, BLOCK_K, stages, prefetch) on the 8B chain at one row.
+3. ``--sweep``: GEMV launch configs (BLOCK_N, BLOCK_K, warps) on the 8B chain at one row;
+   ``--single``: one projection at a time, cuBLAS against the GEMV.
 
     python bench/gemv_gpu.py [--sweep]
 """
@@ -24,7 +25,7 @@ import argparse
 import os
 import sys
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +77,7 @@ def make_layers(shape: dict, count: int) -> list[Layer]:
 def check_ops(shape_name: str, layer: Layer, shape: dict) -> list[tuple[str, float]]:
     h, i = shape["hidden"], shape["inter"]
     results = []
-    for m in (1, 4, 8):
+    for m in (1, 2, 4):
         x, res = torch.randn(m, h, device=DEV, dtype=BF16), torch.randn(m, h, device=DEV, dtype=BF16)
         bias = torch.randn(layer.qkv.shape[0], device=DEV, dtype=BF16)
         out, _ = gemv(x, layer.qkv, bias, prologue=Prologue.RMS_NORM, norm_weight=layer.norm_in, eps=1e-5)
@@ -103,13 +104,11 @@ class Variant:
     name: str
     fused: bool = True
     pdl: bool = False
-    prefetch: bool = False
     o_gemv: bool = False
 
 
 VARIANTS = [Variant("cublas", fused=False), Variant("gemv"), Variant("gemv+pdl", pdl=True),
-            Variant("gemv+pdl+prefetch", pdl=True, prefetch=True),
-            Variant("gemv+pdl+prefetch+o gemv", pdl=True, prefetch=True, o_gemv=True)]
+            Variant("gemv+pdl+o gemv", pdl=True, o_gemv=True)]
 
 
 def step(layers: list[Layer], x: torch.Tensor, res: torch.Tensor, variant: Variant, launch: GemvLaunch | None):
@@ -124,7 +123,7 @@ def step(layers: list[Layer], x: torch.Tensor, res: torch.Tensor, variant: Varia
             gate_up = F.linear(normed, layer.gate_up)
             x = F.linear(act_mul(gate_up[:, :inter], gate_up[:, inter:], "silu"), layer.down)
             continue
-        pick = lambda w: launch or replace(GemvLaunch.choose(*w.shape), prefetch_k=0 if not variant.prefetch else 1024)  # noqa: E731
+        pick = lambda w: launch or GemvLaunch.choose(*w.shape)  # noqa: E731
         qkv, res = gemv(x, layer.qkv, prologue=Prologue.ADD_RMS_NORM, residual=res, norm_weight=layer.norm_in,
                         eps=1e-5, launch=pick(layer.qkv))
         attn = qkv[:, :hidden]
@@ -145,13 +144,6 @@ def time_chain(layers, m: int, variant: Variant, launch: GemvLaunch | None = Non
     return us, out
 
 
-def copy_tbps() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)], reps=10)
-    return 2 * src.numel() / (us * 1e-6) / 1e12
-
-
 def chain_table(shape_name: str, layers: list[Layer], rows_list, copy: float) -> list[str]:
     weights = sum(layer.bytes for layer in layers)
     floor_us = weights / (copy * 1e12) * 1e6
@@ -170,33 +162,63 @@ def chain_table(shape_name: str, layers: list[Layer], rows_list, copy: float) ->
 
 
 def sweep(layers: list[Layer]) -> list[str]:
-    lines = ["sweep (llama8b, M=1, PDL): BLOCK_N, BLOCK_K, stages, prefetch"]
-    configs = [(16, 128, 4, 1024), (16, 128, 6, 1024), (16, 256, 3, 1024), (16, 256, 4, 1024), (32, 128, 4, 1024),
-               (32, 256, 3, 1024), (16, 64, 8, 1024), (16, 128, 4, 4096), (16, 128, 4, 0), (8, 256, 4, 1024)]
-    variant = Variant("sweep", pdl=True, prefetch=True)
-    for bn, bk, stages, prefetch in configs:
-        launch = GemvLaunch(block_n=bn, block_k=bk, num_stages=stages, prefetch_k=prefetch)
+    lines = ["sweep (llama8b, M=1, PDL): BLOCK_N, BLOCK_K, warps"]
+    configs = [(16, 256, 4), (16, 512, 4), (16, 128, 4), (32, 256, 4), (8, 256, 4), (16, 256, 8), (32, 512, 8)]
+    variant = Variant("sweep", pdl=True)
+    for bn, bk, warps in configs:
+        launch = GemvLaunch(block_n=bn, block_k=bk, num_warps=warps)
         try:
             us, _ = time_chain(layers, 1, variant, launch)
-        except Exception as exc:  # e.g. out of shared memory for this config
-            lines.append(f"  n{bn} k{bk} s{stages} p{prefetch}: {type(exc).__name__}: {str(exc)[:80]}")
+        except Exception as exc:  # e.g. out of registers for this config
+            lines.append(f"  n{bn} k{bk} w{warps}: {type(exc).__name__}: {str(exc)[:80]}")
             continue
-        lines.append(f"  n{bn:<3} k{bk:<4} s{stages} p{prefetch:<5} {us / 1e3:8.3f} ms  {us / len(layers):7.1f} us/layer")
+        lines.append(f"  n{bn:<3} k{bk:<4} w{warps} {us / 1e3:8.3f} ms  {us / len(layers):7.1f} us/layer")
         print(lines[-1], flush=True)
     return lines
+
+
+def single_kernels() -> None:
+    """One projection at a time (weights rotated past L2): cuBLAS, gemm_sweep's skinny GEMM, the GEMV."""
+    import gemm_sweep
+    from gpu_harness import sets_for
+
+    for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+        ws = [torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5 for _ in range(sets_for(2 * n * k, cap=8))]
+        x = torch.randn(1, k, device=DEV, dtype=BF16)
+        out = torch.empty(1, n, device=DEV, dtype=BF16)
+        norm_w = torch.ones(k, device=DEV, dtype=BF16)
+        cases = {
+            "cublas": lambda i: lambda: F.linear(x, ws[i]),
+            "skinny n16 k128 s4": lambda i: lambda: gemm_sweep.skinny_gemm(x, ws[i], out, 16, 128, 4, 4),
+            "gemv plain": lambda i: lambda: gemv(x, ws[i], launch=GemvLaunch(16, 256)),
+            "gemv plain k512": lambda i: lambda: gemv(x, ws[i], launch=GemvLaunch(16, 512)),
+            "gemv norm": lambda i: lambda: gemv(x, ws[i], prologue=Prologue.RMS_NORM, norm_weight=norm_w,
+                                                launch=GemvLaunch(16, 256)),
+        }
+        for name, make in cases.items():
+            us = graph_us([make(i) for i in range(len(ws))], reps=20)
+            print(f"  {n}x{k} M=1 {name:<22}{us:>8.1f} us {2 * n * k / (us * 1e-6) / 1e12:>6.2f} TB/s", flush=True)
+        del ws
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--single", action="store_true", help="only single-projection timings")
     args = parser.parse_args()
     print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)
-    copy = copy_tbps()
+    os.environ["AUTODEPLOY_PDL"] = "0"
+    if args.single:
+        single_kernels()
+        return 0
+    from decode_bench import copy_bandwidth  # the same measurement as the decode table's roofline
+
+    copy = copy_bandwidth() / 1e12
     checks, tables = [], []
     for name, shape in SHAPES.items():
         layers = make_layers(shape, shape["layers"])
         checks += check_ops(name, layers[0], shape)
-        tables += chain_table(name, layers, (1, 4, 8) if name == "llama8b" else (1, 8), copy)
+        tables += chain_table(name, layers, (1, 4), copy)
         if args.sweep and name == "llama8b":
             tables += sweep(layers)
         del layers

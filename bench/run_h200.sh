@@ -35,12 +35,14 @@ for s in "$@"; do
     equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 --dtype float32 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;
     gemv) section gemv 240 python3 bench/gemv_gpu.py --sweep ;;
-    decode_ab)  # bare decode steps: the unfused graph (no GEMV, no PDL), the fused GEMV, GEMV + PDL (+ engine)
+    gemv_single) section gemv_single 100 python3 bench/gemv_gpu.py --single ;;
+    decode_ab_before)  # bare decode steps of the unfused graph (no GEMV, no PDL)
       section decode_ab_before 200 env AUTODEPLOY_GEMV_MAX_ROWS=0 AUTODEPLOY_PDL=0 python3 bench/decode_bench.py \
-          --impls autodeploy --batches 1,64 --label _before --json "$OUT/decode_ab_before.json"
+          --impls autodeploy --batches 1,64 --label _before --json "$OUT/decode_ab_before.json" ;;&
+    decode_ab|decode_ab_before)  # the fused GEMV, then GEMV + PDL (+ engine)
       section decode_ab_gemv 200 env AUTODEPLOY_PDL=0 python3 bench/decode_bench.py --impls autodeploy \
-          --batches 1,64 --label _gemv --json "$OUT/decode_ab_gemv.json"
-      section decode_ab_pdl 240 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1,8,64 \
+          --batches 1,4 --label _gemv --json "$OUT/decode_ab_gemv.json"
+      section decode_ab_pdl 240 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1,4,8,64 \
           --label _gemv_pdl --json "$OUT/decode_ab_pdl.json" ;;
     gemm_small) section gemm_small 150 python3 bench/gemm_sweep.py --shape smollm2 --batches 1,8 ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
