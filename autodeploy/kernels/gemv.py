@@ -16,7 +16,9 @@ no reduction); each program reads all of x from L2 and applies the prologue to i
 is for few rows only (``MAX_ROWS``). The products are fp32 FMAs on the CUDA cores, accumulated per
 (row, feature, k-lane) and reduced over k once at the end: padding the rows to the tensor cores' 16
 made every program apply the prologue to 16 rows, and that arithmetic, not the weight stream, set
-the pace (H200: 0.5 TB/s). The next weight tile is loaded while the current one is multiplied.
+the pace (H200: 0.5 TB/s). At 72 registers up to seven programs share an SM, and their loads in
+flight hide the memory latency (a weight tile carried across iterations cost a shared-memory layout
+conversion per tile).
 
 RMSNorm's ``1/rms`` is a per-row factor of the dot product, so the kernel accumulates ``sum(x^2)``
 alongside the dot and scales the accumulator once at the end: the norm costs no pass of its own.
