@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from autodeploy.graph.meta import propagate_meta
+from autodeploy.graph.order import ancestors_after
 from autodeploy.graph.rewrite import RuleResult
 
 aten = torch.ops.aten
@@ -104,24 +105,11 @@ def _move_before_users(graph: fx.Graph, add: fx.Node, nodes: list[fx.Node]) -> N
     Inputs of the fused op computed between the add and the norm (Gemma's ``1 + w`` norm weight)
     move up with their own inputs; they never depend on the add, which only the norm reads.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    late = _late_ancestors(nodes[0], order, order[add])
+    late = ancestors_after(nodes[0].all_input_nodes, add)
     anchor = add
     for node in late + nodes:
         anchor.append(node)
         anchor = node
-
-
-def _late_ancestors(node: fx.Node, order: dict[fx.Node, int], after: int) -> list[fx.Node]:
-    """Ancestors of ``node`` placed after position ``after``, in graph order."""
-    seen, stack = set(), [a for a in node.all_input_nodes]
-    while stack:
-        cur = stack.pop()
-        if cur in seen or order.get(cur, -1) <= after:
-            continue
-        seen.add(cur)
-        stack.extend(cur.all_input_nodes)
-    return sorted(seen, key=order.__getitem__)
 
 
 def fold_norm_input_casts(gm: fx.GraphModule) -> RuleResult:

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from autodeploy.graph.meta import propagate_meta
+from autodeploy.graph.order import ancestors_after
 from autodeploy.graph.rewrite import RuleResult
 
 aten = torch.ops.aten
@@ -71,8 +72,8 @@ def _fuse(gm: fx.GraphModule, norm: fx.Node, normed: fx.Node, summed: fx.Node | 
     w_val, n_val = weight.meta.get("val"), normed.meta.get("val")
     if w_val is None or n_val is None or w_val.dim() != 2 or w_val.dtype != n_val.dtype:
         return "the linear's weight is not a 2-d tensor of the norm's dtype"
-    late = _ancestors_after(norm, [n for n in (weight, bias) if isinstance(n, fx.Node)])
-    if late is None:
+    late = ancestors_after([n for n in (weight, bias) if isinstance(n, fx.Node)], norm)
+    if any(norm in node.all_input_nodes for node in late):
         return "the linear's weight depends on the norm"
     x, *rest = norm.args  # rms_norm: (x, w, eps); fused_add_rms_norm: (x, residual, w, eps)
     graph = gm.graph
@@ -94,21 +95,6 @@ def _fuse(gm: fx.GraphModule, norm: fx.Node, normed: fx.Node, summed: fx.Node | 
     if summed is not None:
         summed.replace_all_uses_with(created[2])
     return None
-
-
-def _ancestors_after(norm: fx.Node, nodes: list[fx.Node]) -> list[fx.Node] | None:
-    """``nodes`` and their ancestors placed after ``norm``, in graph order; None if one reads it."""
-    order = {n: i for i, n in enumerate(norm.graph.nodes)}
-    seen, stack = set(), list(nodes)
-    while stack:
-        cur = stack.pop()
-        if cur in seen or order[cur] < order[norm]:
-            continue
-        if cur is norm:
-            return None
-        seen.add(cur)
-        stack.extend(cur.all_input_nodes)
-    return sorted(seen, key=order.__getitem__)
 
 
 def _sole_linear_consumer(normed: fx.Node) -> fx.Node | None:
