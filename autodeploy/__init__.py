@@ -14,11 +14,11 @@ from .compiled import CompiledModel
 from .compiler import compile
 from .config import CompileConfig
 from .errors import AutoDeployError
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoDeployError", "CompileConfig", "CompiledModel", "LLM", "SamplingParams", "compile", "__version__"]
+__all__ = ["AutoDeployError", "CompileConfig", "CompiledModel", "LLM", "RequestOutputKind", "SamplingParams", "compile", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

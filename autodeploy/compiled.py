@@ -8,6 +8,7 @@ block ids are handed out by the caller (the engine's block manager).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class CompiledModel:
     def max_seq_len(self) -> int:
         return self.capacity.max_seq_len
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
         return int(self.gm.graph.output_node().args[0].meta["val"].shape[-1])
 

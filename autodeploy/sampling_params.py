@@ -6,10 +6,21 @@ Values are checked once, here; everything downstream trusts them.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # most top-logprobs a request may ask for (OpenAI allows 20 in chat)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request: a delta after every step that produced tokens
+    (streaming), or once, complete, when it finishes (``LLM.generate``, the offline benchmark:
+    no per-step report objects, which at hundreds of sequences cost the host more than the rest
+    of a step)."""
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True)
@@ -20,7 +31,8 @@ class SamplingParams:
     ``top_p`` 1 disable those filters; ``temperature`` 0 is greedy. ``logprobs=k`` returns the
     sampled token's log-probability and the ``k`` most likely ones at each generated position;
     ``prompt_logprobs=k`` does the same for every prompt token after the first. A ``seed`` makes
-    sampling reproducible; with ``n > 1`` choice ``i`` uses ``seed + i``.
+    sampling reproducible; with ``n > 1`` choice ``i`` uses ``seed + i``. ``output_kind`` says
+    whether the request is reported after every step or only when it finishes.
     """
 
     n: int = 1
@@ -42,6 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         # Accept the spellings clients send (a single stop string, lists, top_k=-1), store one form.
@@ -51,6 +64,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         for problem in _problems(self):
             raise ValueError(problem)
 

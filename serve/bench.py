@@ -20,10 +20,11 @@ import torch
 
 from autodeploy.kvcache.block_manager import blocks_needed
 from autodeploy.kvcache.metadata import SequenceChunk
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams
 
 from .bench_stats import Distribution, latency_table
 from .engine import Engine, EngineConfig
+from .outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -99,33 +100,33 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     """Run the benchmark on a compiled model; see the module docstring."""
     engine = Engine(model, None, EngineConfig(enable_prefix_caching=enable_prefix_caching))
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed, detokenize=False)
+    # reported once per request, as LLM.generate does: per-step reports would cost the host more than the step
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed,
+                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
     concurrency = concurrency or num_requests
     _warm_up(engine)
-    token_times: dict[str, list[float]] = {}
-    starts: dict[str, float] = {}
+    finished: list[RequestOutput] = []
     steps: list[tuple[int, int, float]] = []
+    itl: list[float] = []
     next_prompt, begin, waited_before = 0, time.perf_counter(), engine.wait_seconds
+    last = begin
     while next_prompt < num_requests or engine.has_unfinished_requests():
         while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
-            rid = str(next_prompt)
-            starts[rid] = time.perf_counter()
-            engine.add_request(rid, prompts[next_prompt], params)
+            engine.add_request(str(next_prompt), prompts[next_prompt], params)
             next_prompt += 1
         before = time.perf_counter()
-        outputs = engine.step()
+        finished += engine.step()
         now = time.perf_counter()
         ran = engine.last_resolved  # with overlap, a step's wall time is mostly the wait for the one before
         steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3))
-        for out in outputs:
-            for _ in range(sum(len(c.token_ids) for c in out.outputs)):
-                token_times.setdefault(out.request_id, []).append(now)
+        itl += [now - last] * _decode_tokens(ran)
+        last = now
     seconds = time.perf_counter() - begin
     waited = engine.wait_seconds - waited_before
-    ttft = [times[0] - starts[rid] for rid, times in token_times.items()]
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
-    itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
+    metrics = [out.metrics for out in finished]
+    ttft = [m.first_token_time - m.arrival_time for m in metrics]
+    tpot = [(m.finished_time - m.first_token_time) / (output_len - 1) for m in metrics if output_len > 1]
     mean_batch = max(1.0, _mean(s[0] for s in steps))
     step_ms = decode_step_ms(model, max(1, round(mean_batch)), input_len + output_len // 2)
     return OfflineResult(
@@ -134,6 +135,14 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         Distribution.of("TTFT", ttft), Distribution.of("TPOT", tpot), Distribution.of("ITL", itl), step_ms,
         StepStats.of(steps), waited,
     )
+
+
+def _decode_tokens(resolved) -> int:
+    """Tokens after a sequence's first that a step resolved: each came one engine step after the
+    token before it, so each is an inter-token latency sample of that step's wall time. A chunk
+    counts if it ran a generated token and kept what it sampled (a token follows its end; the
+    token of a sequence that stopped one step earlier is dropped)."""
+    return sum(1 for c in resolved.chunks if c.start >= c.seq.num_prompt_tokens and c.seq.num_tokens > c.end)
 
 
 def _warm_up(engine: Engine) -> None:

@@ -19,6 +19,7 @@ default; both modes give identical outputs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch
 from autodeploy.compiled import CompiledModel
 from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
 from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams
 
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import ModelRunner, PendingStep
@@ -49,6 +50,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # use only this many of the model's KV blocks
     overlap: bool | None = None  # default: on for CUDA, off on the CPU
+    freeze_gc: bool | None = None  # default: on for CUDA (see _freeze_long_lived_objects)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens)
         self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device))
         self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
+        if config.freeze_gc if config.freeze_gc is not None else model.device.type == "cuda":
+            _freeze_long_lived_objects()
         self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
@@ -231,12 +235,21 @@ class Engine:
     # ---- reports --------------------------------------------------------------------------------
 
     def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Detokenize what the sequences generated, apply stop strings, build the reports."""
+        """Detokenize what the sequences generated, apply stop strings, build the reports.
+
+        A ``FINAL_ONLY`` request is detokenized once when it finishes (every step only if it has
+        stop strings to find) and reported once, when all its sequences have finished."""
         touched: dict[str, list[Sequence]] = {}
         for seq in seqs:
             current = self._requests.get(seq.request.request_id)
-            if current is not None and seq in current:  # not aborted meanwhile
-                self._detokenize(seq)
+            if current is None or seq not in current:  # aborted meanwhile
+                continue
+            params = seq.request.params
+            final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+            if final_only and not seq.is_finished and not params.stop:
+                continue  # nothing to detokenize or report before it finishes
+            self._detokenize(seq)  # (may finish it: a stop string)
+            if not final_only or all(s.is_finished for s in current):
                 touched[seq.request.request_id] = current
         return [self._request_output(rid, request_seqs) for rid, request_seqs in touched.items()]
 
@@ -296,9 +309,10 @@ class Engine:
         """Raise ``ValueError`` (a client error) if this request can never be served."""
         if not prompt:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
+        vocab_size = self.model.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.model.vocab_size})")
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})")
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("stop strings need detokenization (a tokenizer)")
         max_tokens = params.max_tokens or 1
@@ -309,6 +323,15 @@ class Engine:
                 f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens; this request needs "
                 f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the completion)"
             )
+
+
+def _freeze_long_lived_objects() -> None:
+    """Take everything alive now (the compiled graph's nodes, imported modules, the tokenizer) out
+    of the garbage collector's scans. Its full collections walk every tracked object; with those
+    they took ~30% of the host's time per step at 490 sequences (``bench/engine_host.py``), and
+    the step waits for them. What the engine allocates from now on is collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def _request_metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:

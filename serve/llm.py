@@ -7,11 +7,12 @@ the server, so offline and served generation behave identically.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from autodeploy.compiled import CompiledModel
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams
 
 from .engine import Engine, EngineConfig
 from .outputs import OutputAccumulator, RequestOutput
@@ -74,7 +75,8 @@ class LLM:
         results = {rid: OutputAccumulator(rid) for rid in ids}
         try:
             for rid, tokens, p in zip(ids, token_lists, params):
-                self.engine.add_request(rid, tokens, p)
+                # nobody reads partial results here: one report per request, when it finishes
+                self.engine.add_request(rid, tokens, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     results[out.request_id].add(out)
