@@ -53,6 +53,14 @@ for s in "$@"; do
     offline1000) config_dir 8b; section offline1000 240 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
         --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;
+    offline128_pyspy)  # the same run under py-spy (host-side stacks), summarized over the engine's steps
+      config_dir 8b; section offline128_pyspy 240 env -C /tmp /tmp/site/bin/py-spy record --rate 200 --nonblocking --format raw \
+        --output "$OUT/offline128.pyspy.txt" -- python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
+        --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 512 --max_num_tokens 8192 \
+        --max_seq_len 1024 --log_level warning
+      section pyspy_summary 60 python3 bench/stack_summary.py "$OUT/offline128.pyspy.txt" --top 45 \
+        --within 'step \(.*serve/engine.py' ;;
+    profile_large) section profile_large 200 python3 bench/profile_step.py --shape llama8b --batches 480 --context 192 --engine ;;
     serving) config_dir 8b; serving ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64 --engine
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
