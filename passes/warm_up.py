@@ -7,6 +7,11 @@ compile theirs while requests wait: on the H200 the first offline run of the 8B 
 steps among its prefills. The steps below cover one and many sequences, token counts divisible by 16
 and not, prefill-like and decode-like launch configs. The KV blocks they write are free blocks whose
 contents nobody reads before overwriting them. Skipped on the CPU, where nothing is compiled.
+
+The compiles themselves run on a thread pool (``autodeploy.kernels.precompile``): the steps and
+launches first run with every launch that would compile recorded and skipped, the recorded kernels
+compile in parallel, then the steps and launches run for real, finding each kernel compiled. On the
+H200 the 8B shape's warm-up was 43 s of serial compiles on one of 16 cores.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
+from pydantic import Field
 
 from autodeploy.export import get_tensor_attr
 from autodeploy.kvcache.allocator import blocks_needed
@@ -23,9 +29,13 @@ from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResul
 
 class WarmUpConfig(PassConfig):
     on_cpu: bool = False  # tests run the steps on the CPU too
-    # every Triton attention launch config the engine's limits allow (~12: about 10 s of compiling on a
-    # fresh H200 machine, ~0 once Triton's disk cache has them); off: the first steps that need one wait
+    # every Triton attention launch config the engine's limits allow (~12 for the 8B shape: 2-4 s of
+    # compiling each on a fresh H200 host, on the thread pool below; ~0 once Triton's disk cache has
+    # them); off: the first steps that need one wait
     attention_variants: bool = True
+    # threads compiling the Triton kernels the warm-up meets (default: min(8, CPU cores)); 0 or 1:
+    # serially, each at the launch that needs it (the path before the thread pool existed)
+    compile_threads: int | None = Field(None, ge=0)
 
 
 class WarmUp(Pass):
@@ -38,9 +48,35 @@ class WarmUp(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         if ctx.device.type != "cuda" and not self.config.on_cpu:
             return PassResult(0, "skipped: nothing is compiled on the CPU")
+        from autodeploy.kernels.precompile import compile_in_parallel, counting_compiles
+
         pool, block_size = ctx.artifacts["kv_pool"], ctx.config.tokens_per_block
         steps = [s for s in warm_up_steps(block_size, pool.num_blocks, ctx.config) if s]
+        threads = self._compile_threads(ctx.device)
         start = time.perf_counter()
+        with counting_compiles() as compiled:
+            pooled = compile_in_parallel(lambda: self._run(ctx, steps), threads) if threads > 1 else 0
+            launches = self._run(ctx, steps)
+        if threads > 1:
+            late = len(compiled) - pooled  # launches the record run did not see (none expected)
+            kernels = f"{pooled} kernels compiled on {threads} threads" + (f" (+{late} at their launch)" if late else "")
+        else:
+            kernels = f"{len(compiled)} kernels compiled serially"
+        return PassResult(len(steps), f"{len(steps)} eager steps, {launches} attention launch variants, {kernels} "
+                                      f"in {time.perf_counter() - start:.1f} s")
+
+    def _compile_threads(self, device: torch.device) -> int:
+        """1 (serial) where nothing compiles (CPU, interpreter), where it is set so, or where Triton cannot."""
+        from autodeploy.kernels.precompile import default_threads, parallel_compile_supported
+
+        if not parallel_compile_supported(device):
+            return 1
+        threads = self.config.compile_threads
+        return default_threads() if threads is None else max(threads, 1)
+
+    def _run(self, ctx: CompileContext, steps: list[list[SequenceChunk]]) -> int:
+        """The eager steps, then the attention launch variants (their count)."""
+        pool, block_size = ctx.artifacts["kv_pool"], ctx.config.tokens_per_block
         with torch.inference_mode():
             for chunks in steps:
                 batch = BatchMetadata.build(chunks, block_size, ctx.device)
@@ -48,8 +84,7 @@ class WarmUp(Pass):
         launches = self._attention_launches(ctx) if self.config.attention_variants else 0
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        return PassResult(len(steps), f"{len(steps)} eager steps, {launches} attention launch variants "
-                                      f"in {time.perf_counter() - start:.1f} s")
+        return launches
 
     def _attention_launches(self, ctx: CompileContext) -> int:
         """Launch every reachable Triton attention config once per distinct layer setting."""

@@ -6,6 +6,7 @@ from autodeploy.check import run_check
 from autodeploy.compiler import compile_config
 from autodeploy.config import CompileConfig
 from autodeploy.errors import ConfigError, ModelLoadError, PassError
+from autodeploy.pipeline.runner import load_pipeline
 from autodeploy.tiny import tiny_config
 
 CPU = {"device": "cpu", "dtype": "float32", "max_seq_len": 128}
@@ -121,6 +122,34 @@ def test_warm_up_is_skipped_on_the_cpu_by_default(compiled):
     model, _ = compiled
     record = next(r for r in model.report.passes if r.name == "warm_up")
     assert record.matches == 0 and "skipped" in record.detail
+
+
+@pytest.mark.parametrize("setting, threads, runs", [(3, 3, 2), (None, 6, 2), (1, 1, 1), (0, 1, 1)])
+def test_warm_up_compiles_on_threads_then_runs_for_real(tiny_llama, monkeypatch, setting, threads, runs):
+    """Where Triton compiles, the steps run twice: recorded (what they compile goes to the thread pool),
+    then for real. compile_threads 0/1: once, each kernel compiled at its launch as before."""
+    from autodeploy.passes.warm_up import WarmUp
+
+    from autodeploy.kernels import precompile
+
+    monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)  # as on a GPU
+    monkeypatch.setattr(precompile, "default_threads", lambda: 6)
+    pools, real_compile = [], precompile.compile_in_parallel
+    monkeypatch.setattr(precompile, "compile_in_parallel", lambda run, n: pools.append(n) or real_compile(run, n))
+    steps, real_run = [], WarmUp._run
+    monkeypatch.setattr(WarmUp, "_run", lambda self, ctx, s: steps.append(len(s)) or real_run(self, ctx, s))
+    model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
+    detail = next(r for r in model.report.passes if r.name == "warm_up").detail
+    assert steps == [5] * runs and pools == ([threads] if threads > 1 else [])
+    assert f"on {threads} threads" in detail if threads > 1 else "compiled serially" in detail
+    assert run_check(tiny_llama, compiled=model, steps=2, prompt_lens=(5, 9)).passed
+
+
+def test_warm_up_compile_threads_are_validated():
+    with pytest.raises(ConfigError, match="config of pass 'warm_up'.*compile_threads"):
+        load_pipeline(overrides={"warm_up": {"compile_threads": -1}})
+    with pytest.raises(ConfigError, match="config of pass 'warm_up'.*compile_thread"):
+        load_pipeline(overrides={"warm_up": {"compile_thread": 8}})
 
 
 def test_warm_up_launches_the_triton_attention_variants(tiny_llama):

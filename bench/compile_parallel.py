@@ -1,0 +1,111 @@
+"""Serial vs thread-pool compile of the Triton kernels the 8B shape's warm-up compiles, without a GPU.
+
+A stand-in Triton driver reports an sm_90 device, so the warm-up's own launch code runs on CPU
+tensors through ``autodeploy.kernels.precompile``: every attention launch variant the engine's
+limits allow (``attention_warmup.warm_up_launches``, PDL on as on the H200) and the norm /
+activation kernels of its eager steps are recorded (not launched), then compiled for real, once
+serially and once on a thread pool, each into a fresh Triton cache.
+
+    python bench/compile_parallel.py --threads 8    # prints both times and the speed-up
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
+ROOT = Path(__file__).resolve().parents[1]
+if "autodeploy" not in sys.modules:  # the kernels without autodeploy/__init__ (which needs transformers)
+    _pkg = types.ModuleType("autodeploy")
+    _pkg.__path__ = [str(ROOT / "autodeploy")]
+    sys.modules["autodeploy"] = _pkg
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+
+from autodeploy.kernels import activation, attention_config, norm, pdl
+from autodeploy.kernels.attention_warmup import warm_up_launches
+from autodeploy.kernels.precompile import KernelSpec, compile_specs, recording_compiles
+
+
+class Sm90Driver(DriverBase):
+    """Enough of a CUDA driver for the JIT to specialize and compile launches (never to run them)."""
+
+    @classmethod
+    def is_active(cls):
+        return False
+
+    def map_python_to_cpp_type(self, ty):
+        raise NotImplementedError
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise NotImplementedError
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+
+def record_8b_warm_up(max_batch: int, max_tokens: int, max_blocks: int) -> list[KernelSpec]:
+    """The kernels the warm-up of Llama-3.1-8B (32/8 heads, head 128, bf16, RoPE folded) compiles."""
+    per_sm = attention_config.DECODE_PROGRAMS_PER_SM, attention_config.PREFILL_PROGRAMS_PER_SM
+    attention_config._target_programs = lambda decode, device: int(per_sm[0 if decode else 1] * 132)  # H200 SMs
+    pdl.enabled = lambda device: True
+    cache = torch.zeros(4, 2, 16, 8, 128, dtype=torch.bfloat16)
+    with recording_compiles() as specs:
+        warm_up_launches(cache, 32, torch.bfloat16, 128 ** -0.5, None, None, None, max_batch, max_tokens, max_blocks,
+                         rope=(128, torch.bfloat16, False))
+        for tokens in (17, 256):  # one token count divisible by 16, one not
+            x, weight = torch.zeros(tokens, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
+            norm.rms_norm(x, weight, 1e-5)
+            norm.add_rms_norm(x, x, weight, 1e-5)
+            gate_up = torch.zeros(tokens, 2 * 14336, dtype=torch.bfloat16)
+            activation.act_mul(gate_up[:, :14336], gate_up[:, 14336:])
+    return specs
+
+
+def timed_compile(specs: list[KernelSpec], threads: int) -> float:
+    """Seconds to compile every spec into a fresh Triton cache (and fresh JIT caches)."""
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
+    for spec in specs:
+        spec.kernel.device_caches.clear()
+    start = time.perf_counter()
+    compile_specs(specs, threads)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--max-blocks", type=int, default=256, help="max_seq_len / tokens_per_block")
+    args = parser.parse_args()
+    triton.runtime.driver.set_active(Sm90Driver())
+    specs = record_8b_warm_up(args.max_batch, args.max_tokens, args.max_blocks)
+    names = sorted({spec.kernel.fn.__name__ for spec in specs})
+    print(f"triton {triton.__version__}, {os.cpu_count()} CPUs: {len(specs)} kernels ({', '.join(names)})")
+    serial = timed_compile(specs, 1)
+    print(f"serial:       {serial:6.1f} s", flush=True)
+    parallel = timed_compile(specs, args.threads)
+    print(f"{args.threads} threads:    {parallel:6.1f} s   speed-up {serial / parallel:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
