@@ -130,7 +130,7 @@ def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
     names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
     pointers = {n: f"*{dtype}" for n in names}
     const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=1,
-                 BLOCK_N=16, BLOCK_K=256, PDL=pdl)
+                 BLOCK_N=16, BLOCK_K=256, PDL=pdl, EARLY_TRIGGER=True)
     const.update(overrides)
     return gemv._gemv_kernel, pointers, const
 
@@ -143,6 +143,8 @@ def _gemv_variants():
     yield ("gemv norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
     yield ("gemv gated silu -> down (PDL)", *_gemv(prologue=gemv.Prologue.GATED), 4, 1, pdl_on)
     yield ("gemv plain, bias (PDL)", *_gemv(HAS_BIAS=True), 4, 1, pdl_on)
+    yield ("gemv add+norm -> gate_up, K 512, late trigger (PDL)",
+           *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, BLOCK_K=512, EARLY_TRIGGER=False), 4, 1, pdl_on)
     yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 1)
     yield ("gemv add+norm, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, **four), 4, 1, pdl_on)
     yield ("gemv gated silu, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.GATED, **four), 4, 1, pdl_on)

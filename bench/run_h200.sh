@@ -31,6 +31,7 @@ for s in "$@"; do
     kernels) section kernels 200 python3 bench/kernels_gpu.py ;;
     sweep) section sweep 300 python3 bench/kernels_gpu.py --sweep ;;
     sweep_b1) section sweep_b1 120 python3 bench/kernels_gpu.py --sweep-only 1x512,8x512 ;;
+    sweep_large) section sweep_large 200 python3 bench/kernels_gpu.py --sweep-only 480x192,256x512,64x512 ;;
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
     equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 --dtype float32 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;

@@ -104,7 +104,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,7 +113,8 @@ def _gemv_kernel(
     row_ok = rows < M
     lanes = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    pdl.allow_dependents(PDL)
+    if EARLY_TRIGGER:
+        pdl.allow_dependents(PDL)
     pdl.wait(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TWO_PASS:
@@ -133,6 +134,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * tl.sum(a.to(tl.float32), 0)[None, :]
         else:
             acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not EARLY_TRIGGER:
+        pdl.allow_dependents(PDL)
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
     if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
         out = out * tl.rsqrt(tl.sum(sumsq, 1) / K + eps)[:, None]
@@ -149,6 +152,10 @@ class GemvLaunch:
     block_n: int
     block_k: int
     num_warps: int = 4
+    # PDL: let the next kernel launch when a program starts (its programs then wait on free SM
+    # slots: good for a grid of one wave) or only after the weight loop (a grid of several waves
+    # keeps every slot for its own programs)
+    early_trigger: bool = True
 
     @classmethod
     def choose(cls, n: int, k: int, rows: int = 1) -> "GemvLaunch":
@@ -212,6 +219,6 @@ def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activat
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
         TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k,
+        BLOCK_K=launch.block_k, EARLY_TRIGGER=launch.early_trigger,
         num_warps=launch.num_warps, num_stages=1, **options,
     )
