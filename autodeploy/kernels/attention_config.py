@@ -55,9 +55,11 @@ class AttentionLaunch:
         head_dim: int,
         max_kv_len: int,
         device: torch.device,
+        element_size: int = 2,
     ) -> "AttentionLaunch":
         """Decode-like steps (about one query per sequence) get 16-row tiles and, when the grid
-        would leave SMs idle, flash-decoding splits over the keys; prefill gets 128-row tiles."""
+        would leave SMs idle, flash-decoding splits over the keys; prefill gets 128-row tiles.
+        ``element_size``: bytes per element of q and the cache (4 for fp32)."""
         group_pad = _next_pow2(num_heads // num_kv_heads)
         block_n = 64 if head_dim <= 128 else 32
         # Few tokens per sequence (decodes, maybe with a short prompt chunk): 16-row tiles. A mixed
@@ -68,6 +70,8 @@ class AttentionLaunch:
             block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
         else:
             block_m = max(128 if head_dim <= 128 else 64, group_pad)
+            if head_dim * element_size > 256:  # fp32, head 128, RoPE folded in: 257 KB of shared memory at 64 keys
+                block_n = 32
             warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads

@@ -18,7 +18,7 @@ from .paged_attention import paged_attention_fwd
 
 def reachable_launches(
     num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-    max_batch: int, max_tokens: int, max_blocks: int, device: torch.device,
+    max_batch: int, max_tokens: int, max_blocks: int, device: torch.device, element_size: int = 2,
 ) -> dict[AttentionLaunch, tuple[int, int, int]]:
     """Each launch config the engine can meet -> one step shape (tokens, sequences, table width) choosing it.
 
@@ -31,7 +31,8 @@ def reachable_launches(
     found: dict[AttentionLaunch, tuple[int, int, int]] = {}
     for tokens, seqs in _decode_shapes(max_batch, max_tokens) + _prefill_shapes(max_tokens):
         for width in widths:
-            launch = AttentionLaunch.choose(tokens, seqs, num_heads, num_kv_heads, head_dim, width * page_size, device)
+            launch = AttentionLaunch.choose(tokens, seqs, num_heads, num_kv_heads, head_dim, width * page_size, device,
+                                            element_size)
             found.setdefault(launch, (tokens, seqs, width))
     return found
 
@@ -61,7 +62,7 @@ def warm_up_launches(
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     device = kv_cache.device
     launches = reachable_launches(num_heads, num_kv_heads, head_dim, page_size, max_batch, max_tokens, max_blocks,
-                                  device)
+                                  device, dtype.itemsize)
     for launch, (tokens, seqs, width) in launches.items():
         q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype, device=device)
         k = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype, device=device)

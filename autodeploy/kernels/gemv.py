@@ -16,9 +16,9 @@ no reduction); each program reads all of x from L2 and applies the prologue to i
 is for few rows only (``MAX_ROWS``). The products are fp32 FMAs on the CUDA cores, accumulated per
 (row, feature, k-lane) and reduced over k once at the end: padding the rows to the tensor cores' 16
 made every program apply the prologue to 16 rows, and that arithmetic, not the weight stream, set
-the pace (H200: 0.5 TB/s). At 72 registers up to seven programs share an SM, and their loads in
-flight hide the memory latency (a weight tile carried across iterations cost a shared-memory layout
-conversion per tile).
+the pace (H200: 0.5 TB/s). The memory latency is hidden by the bytes each program has in flight
+(a 16 x 512 weight tile per iteration at one row) times the programs per SM (three at 146 registers);
+a weight tile carried across iterations cost a shared-memory layout conversion per tile.
 
 RMSNorm's ``1/rms`` is a per-row factor of the dot product, so the kernel accumulates ``sum(x^2)``
 alongside the dot and scales the accumulator once at the end: the norm costs no pass of its own.
@@ -54,6 +54,10 @@ class Prologue(IntEnum):
 # the kernel's spelling of the same values (a jit function reads only constexpr globals)
 NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
 MAX_ROWS = 4  # every program applies the prologue to all rows: the GEMV is for a few rows only
+# PDL trigger at a program's start only for grids of about one wave (H200: 132 SMs x 3 programs).
+# Same run as above: SmolLM2 (36-192 programs) 0.465 ms early vs 0.478 late; 8B (256-1792 programs)
+# 4.25 early vs 4.19 late, as the next kernel's waiting programs take SM slots from later waves.
+EARLY_TRIGGER_MAX_PROGRAMS = 384
 
 
 @triton.jit
@@ -159,11 +163,15 @@ class GemvLaunch:
 
     @classmethod
     def choose(cls, n: int, k: int, rows: int = 1) -> "GemvLaunch":
-        # 16 output features per program: 256-1800 programs for the 8B shape's projections. The
-        # accumulator holds rows x 16 x BLOCK_K fp32 values over 128 threads: 32 registers at one
-        # row and K blocks of 256, 64 at four rows and blocks of 128.
-        block_k = 256 if rows == 1 else 128
-        return cls(block_n=16, block_k=min(block_k, max(16, triton.next_power_of_2(k))))
+        # 16 output features per program. The accumulator holds rows x 16 x BLOCK_K fp32 values over
+        # 128 threads. One row: K blocks of 512 (64 registers of accumulator, 146 in all, three programs
+        # per SM), which keep twice the bytes in flight of blocks of 256: all linears of a SmolLM2 step
+        # 0.537 -> 0.465 ms, of an 8B step 5.13 -> 4.25 ms (H200, bench/gemv_gpu.py, 2026-12-03). Four
+        # rows: blocks of 128.
+        block_k = 512 if rows == 1 else 128
+        programs = triton.cdiv(n, 16)
+        return cls(block_n=16, block_k=min(block_k, max(16, triton.next_power_of_2(k))),
+                   early_trigger=programs <= EARLY_TRIGGER_MAX_PROGRAMS)
 
 
 def gemv_rows_ok(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:

@@ -263,7 +263,7 @@ def paged_attention_fwd(
     num_seqs = cu_seqlens.shape[0] - 1
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     launch = launch or AttentionLaunch.choose(
-        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, max_kv_len, q.device)
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, max_kv_len, q.device, q.element_size())
     group = num_heads // num_kv_heads
     block_q = launch.block_q(group)
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)

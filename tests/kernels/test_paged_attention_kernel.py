@@ -129,6 +129,16 @@ def test_default_launch_choice():
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
 
 
+def test_fp32_prefill_tiles_fit_shared_memory():
+    """fp32 at head 128 with RoPE folded in needs 257 KB of shared memory at 64 keys per step (sm_90
+    compile, bench/compile_sm90.py; the H200 has 227 KB): 32 keys for 4-byte elements; bf16 unchanged."""
+    cpu = torch.device("cpu")
+    assert AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu, element_size=4).block_n == 32
+    assert AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu, element_size=2).block_n == 64
+    assert AttentionLaunch.choose(4096, 4, 32, 8, 64, 1024, cpu, element_size=4).block_n == 64
+    assert AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, cpu, element_size=4).block_n == 64  # decode: 78 KB
+
+
 @pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 4), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
                                                 (8, 4096, 4), (64, 4096, 1), (256, 4096, 1)])
 def test_decode_splits_on_an_h200(monkeypatch, seqs, keys, splits):
