@@ -18,7 +18,8 @@ from .sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoDeployError", "CompileConfig", "CompiledModel", "LLM", "RequestOutputKind", "SamplingParams", "compile", "__version__"]
+__all__ = ["AutoDeployError", "CompileConfig", "CompiledModel", "LLM", "RequestOutputKind", "SamplingParams",
+           "compile", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-import types
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
-ROOT = Path(__file__).resolve().parents[1]
-if "autodeploy" not in sys.modules:  # the kernels without autodeploy/__init__ (which needs transformers)
-    _pkg = types.ModuleType("autodeploy")
-    _pkg.__path__ = [str(ROOT / "autodeploy")]
-    sys.modules["autodeploy"] = _pkg
+import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers; this folder)
 
 import torch
 import triton

@@ -25,15 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import types
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "autodeploy" not in sys.modules:  # kernels and reference ops without autodeploy/__init__ (transformers)
-    _pkg = types.ModuleType("autodeploy")
-    _pkg.__path__ = [str(ROOT / "autodeploy")]
-    sys.modules["autodeploy"] = _pkg
+import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers; this folder)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -70,8 +70,8 @@ class AttentionLaunch:
             block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
         else:
             block_m = max(128 if head_dim <= 128 else 64, group_pad)
-            if head_dim * element_size > 256:  # fp32, head 128, RoPE folded in: 257 KB of shared memory at 64 keys
-                block_n = 32
+            if head_dim * element_size > 256:
+                block_n = 32  # fp32 at head 128 with RoPE folded in: 257 KB of shared memory at 64 keys
             warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads

@@ -31,8 +31,8 @@ def reachable_launches(
     found: dict[AttentionLaunch, tuple[int, int, int]] = {}
     for tokens, seqs in _decode_shapes(max_batch, max_tokens) + _prefill_shapes(max_tokens):
         for width in widths:
-            launch = AttentionLaunch.choose(tokens, seqs, num_heads, num_kv_heads, head_dim, width * page_size, device,
-                                            element_size)
+            launch = AttentionLaunch.choose(tokens, seqs, num_heads, num_kv_heads, head_dim, width * page_size,
+                                            device, element_size)
             found.setdefault(launch, (tokens, seqs, width))
     return found
 
