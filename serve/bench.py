@@ -108,7 +108,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     _warm_up(engine)
     finished: list[RequestOutput] = []
     steps: list[tuple[int, int, float]] = []
-    itl: list[float] = []
+    resolved: list[tuple[Any, float]] = []  # what each step resolved, and the wall time since the step before
     next_prompt, begin, waited_before = 0, time.perf_counter(), engine.wait_seconds
     last = begin
     while next_prompt < num_requests or engine.has_unfinished_requests():
@@ -120,10 +120,11 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         now = time.perf_counter()
         ran = engine.last_resolved  # with overlap, a step's wall time is mostly the wait for the one before
         steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3))
-        itl += [now - last] * _decode_tokens(ran)
+        resolved.append((ran, now - last))
         last = now
     seconds = time.perf_counter() - begin
     waited = engine.wait_seconds - waited_before
+    itl = [gap for ran, gap in resolved for _ in range(_decode_tokens(ran))]
     metrics = [out.metrics for out in finished]
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(m.finished_time - m.first_token_time) / (output_len - 1) for m in metrics if output_len > 1]
@@ -139,9 +140,10 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
 
 def _decode_tokens(resolved) -> int:
     """Tokens after a sequence's first that a step resolved: each came one engine step after the
-    token before it, so each is an inter-token latency sample of that step's wall time. A chunk
-    counts if it ran a generated token and kept what it sampled (a token follows its end; the
-    token of a sequence that stopped one step earlier is dropped)."""
+    token before it, so each is an inter-token latency sample of that step's wall time. Counted once
+    the run is over (outside the timed loop): a chunk counts if it ran a generated token and its
+    sampled token was kept (a token follows its end; the token sampled one step after a sequence
+    stopped is dropped)."""
     return sum(1 for c in resolved.chunks if c.start >= c.seq.num_prompt_tokens and c.seq.num_tokens > c.end)
 
 

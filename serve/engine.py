@@ -190,27 +190,30 @@ class Engine:
         self.wait_seconds += time.perf_counter() - waited
         self.last_resolved = step.schedule
         sampled = []
+        caching, now = self.blocks.enable_prefix_caching, time.monotonic()
+        # (this loop runs for every sequence of every step: checks that are mostly false come first)
         for chunk in step.schedule.chunks:
             seq = chunk.seq
             if seq.is_finished:  # aborted or stopped while the step ran
                 continue
-            if seq.status is Status.RUNNING:  # not preempted since: still holds the blocks
+            if caching and seq.status is Status.RUNNING:  # not preempted since: still holds the blocks
                 seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, chunk.end, seq.block_keys)
-            self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
-            if seq in result.tokens:
-                token, logprob = result.tokens[seq]
-                self._accept_token(seq, step.token_index[seq], token, logprob)
+            if seq.request.params.prompt_logprobs is not None:
+                self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
+            sampled_token = result.tokens.get(seq)
+            if sampled_token is not None:
+                self._accept_token(seq, step.token_index[seq], *sampled_token, now)
                 sampled.append(seq)
         return self._report(sampled)
 
-    def _accept_token(self, seq: Sequence, index: int, token: int, logprob) -> None:
+    def _accept_token(self, seq: Sequence, index: int, token: int, logprob, now: float) -> None:
         """The sampled token replaces its placeholder (the last token id of the sequence)."""
         seq.token_ids[index] = token
         seq.num_pending_tokens -= 1
         if logprob is not None:
             seq.logprobs.append(logprob)
-        seq.last_token_time = time.monotonic()
-        seq.first_token_time = seq.first_token_time or seq.last_token_time
+        seq.last_token_time = now
+        seq.first_token_time = seq.first_token_time or now
         params = seq.params
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in seq.request.eos_token_ids:

@@ -106,13 +106,15 @@ class Scheduler:
 
     def _grow_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
+        if need <= 0:  # most decodes: the last block has room
+            return True
         while need > self.blocks.num_free:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return False
-        seq.block_ids.extend(self.blocks.allocate(max(0, need)))
+        seq.block_ids.extend(self.blocks.allocate(need))
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
