@@ -37,7 +37,7 @@ class Sm90Driver(DriverBase):
         return False
 
     def map_python_to_cpp_type(self, ty):
-        raise NotImplementedError
+        raise NotImplementedError("a compile-only driver: nothing is launched")
 
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
@@ -46,7 +46,7 @@ class Sm90Driver(DriverBase):
         return torch.device("cpu")
 
     def get_benchmarker(self):
-        raise NotImplementedError
+        raise NotImplementedError("a compile-only driver: nothing is timed on a GPU")
 
     def get_current_device(self):
         return 0
