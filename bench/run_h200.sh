@@ -50,7 +50,9 @@ for s in "$@"; do
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
     offline128) config_dir 8b; section offline128 200 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 512 --max_num_tokens 8192 \
-        --max_seq_len 1024 --output_json "$OUT/offline128.json" --log_level warning ;;
+        --max_seq_len 1024 --output_json "$OUT/offline128.json" --log_level warning
+      python3 -c "import json; d = json.load(open('$OUT/offline128.json')); print('first steps (seqs, tokens, ms, waited ms):');
+[print('  %4d %5d %8.1f %8.1f' % tuple(r)) for r in d['step_log'][:14]]" ;;
     offline1000) config_dir 8b; section offline1000 240 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 1000 --output_len 1000 --num_requests 512 --max_batch_size 256 --max_num_tokens 8192 \
         --max_seq_len 2048 --output_json "$OUT/offline1000.json" ;;

@@ -44,6 +44,8 @@ class OfflineResult:
     model_decode_step_ms: float  # bare CompiledModel decode step at the mean batch size
     steps: "StepStats"
     host_waited_s: float = 0.0  # time the engine waited for the device (the rest is host work)
+    allocator: dict[str, int] | None = None  # CUDA caching-allocator counters over the timed run
+    step_log: list[tuple[int, int, float, float]] | None = None  # (sequences, tokens, wall ms, waited ms) per step()
 
     def summary(self) -> str:
         return "\n".join([
@@ -57,6 +59,7 @@ class OfflineResult:
             self.steps.summary(),
             f"the host waited for the device {self.host_waited_s:.2f} s of {self.seconds:.2f} s "
             "(near 0: the host, not the device, sets the pace)",
+            *([_allocator_line(self.allocator)] if self.allocator is not None else []),
         ])
 
 
@@ -73,8 +76,8 @@ class StepStats:
     max_step_ms: float
 
     @classmethod
-    def of(cls, steps: list[tuple[int, int, float]]) -> "StepStats":
-        """``steps``: (sequences, tokens, wall ms) of every engine step."""
+    def of(cls, steps: list[tuple]) -> "StepStats":
+        """``steps``: (sequences, tokens, wall ms, ...) of every engine step."""
         steps = [s for s in steps if s[0] > 0]
         decode = [s for s in steps if s[1] == s[0]]
         prefill = [s for s in steps if s[1] != s[0]]
@@ -107,23 +110,27 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     concurrency = concurrency or num_requests
     _warm_up(engine)
     finished: list[RequestOutput] = []
-    steps: list[tuple[int, int, float]] = []
+    steps: list[tuple[int, int, float, float]] = []
     resolved: list[tuple[Any, float]] = []  # what each step resolved, and the wall time since the step before
+    allocator_before = _allocator_counters(model.device)
     next_prompt, begin, waited_before = 0, time.perf_counter(), engine.wait_seconds
     last = begin
     while next_prompt < num_requests or engine.has_unfinished_requests():
         while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
             engine.add_request(str(next_prompt), prompts[next_prompt], params)
             next_prompt += 1
-        before = time.perf_counter()
+        before, waited_step = time.perf_counter(), engine.wait_seconds
         finished += engine.step()
         now = time.perf_counter()
         ran = engine.last_resolved  # with overlap, a step's wall time is mostly the wait for the one before
-        steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3))
+        steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3, (engine.wait_seconds - waited_step) * 1e3))
         resolved.append((ran, now - last))
         last = now
     seconds = time.perf_counter() - begin
     waited = engine.wait_seconds - waited_before
+    allocator = _allocator_counters(model.device)
+    if allocator is not None:
+        allocator = {name: allocator[name] - allocator_before[name] for name in allocator}
     itl = [gap for ran, gap in resolved for _ in range(_decode_tokens(ran))]
     metrics = [out.metrics for out in finished]
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
@@ -134,8 +141,27 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         num_requests, input_len, output_len, concurrency, seconds, num_requests / seconds,
         num_requests * output_len / seconds, num_requests * (input_len + output_len) / seconds, mean_batch,
         Distribution.of("TTFT", ttft), Distribution.of("TPOT", tpot), Distribution.of("ITL", itl), step_ms,
-        StepStats.of(steps), waited,
+        StepStats.of(steps), waited, allocator, steps,
     )
+
+
+_ALLOCATOR_COUNTERS = {"retries": "num_alloc_retries", "device_mallocs": "num_device_alloc",
+                       "device_frees": "num_device_free"}
+
+
+def _allocator_counters(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's retry (free everything cached, then cudaMalloc again: a device-wide
+    sync) and cudaMalloc/cudaFree counts; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in _ALLOCATOR_COUNTERS.items()}
+
+
+def _allocator_line(counts: dict[str, int]) -> str:
+    line = (f"allocator during the run: {counts['device_mallocs']} cudaMalloc, {counts['device_frees']} cudaFree, "
+            f"{counts['retries']} retries")
+    return line + (" (each retry frees the cache and syncs the device: memory is tight)" if counts["retries"] else "")
 
 
 def _decode_tokens(resolved) -> int:

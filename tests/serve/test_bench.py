@@ -29,6 +29,18 @@ def test_offline_benchmark(compiled):
     assert steps.prefill_tokens > steps.decode_seqs >= 1
     assert steps.max_step_ms * (steps.decode_steps + steps.prefill_steps) >= steps.decode_ms + steps.prefill_ms
     assert "decode-only" in result.summary()
+    # the per-step log: one row per engine step, its wall time at least what it waited for the device
+    assert len(result.step_log) >= steps.decode_steps + steps.prefill_steps
+    assert all(ms >= waited >= 0 for _, _, ms, waited in result.step_log)
+    assert result.allocator is None and "allocator" not in result.summary()  # CPU: no CUDA allocator
+
+
+def test_allocator_line_flags_retries():
+    from autodeploy.serve.bench import _allocator_line
+
+    calm = _allocator_line({"device_mallocs": 2, "device_frees": 0, "retries": 0})
+    assert "2 cudaMalloc" in calm and "memory is tight" not in calm
+    assert "memory is tight" in _allocator_line({"device_mallocs": 9, "device_frees": 9, "retries": 3})
 
 
 @pytest.mark.parametrize("overlap", [False, True])
