@@ -305,11 +305,9 @@ def sweep_decode(report: Report, cases: str = "1x4096,8x4096,64x512,64x4096") ->
         configs = [replace(base, block_n=n, num_warps=w, num_stages=st)
                    for n in (16, 32, 64, 128) for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))]
         configs += [replace(base, num_splits=sp) for sp in (1, 2, 4, 8, 16, 32) if sp != base.num_splits]
-        configs += [replace(base, block_n=n, heads_first=False) for n in (32, 64, 128)]  # the old grid order
         for launch in configs:
             err = rel_err(batches[0].triton(launch), batches[0].reference())
-            order = "" if launch.heads_first else " tiles-first"
-            row = Row(f"sweep b={b} ctx={c} n={launch.block_n} w={launch.num_warps} s={launch.num_stages}{order}", err,
+            row = Row(f"sweep b={b} ctx={c} n={launch.block_n} w={launch.num_warps} s={launch.num_stages}", err,
                       note=f"splits {launch.num_splits} (default {base.block_n}/{base.num_warps}/"
                            f"{base.num_stages}, {base.num_splits} splits)")
             # timed() rotates through as many input sets as L2 calls for; small cases reuse these

@@ -40,7 +40,6 @@ class AttentionLaunch:
     num_warps: int = 4
     num_stages: int = 2
     decode: bool = False
-    heads_first: bool = True  # grid order: KV heads of a tile side by side (see kernels/paged_attention.py)
 
     def block_q(self, group: int) -> int:
         """Query tokens per tile for ``group`` query heads per KV head."""

@@ -7,10 +7,7 @@ can be captured in a CUDA graph):
 - a *query tile* is ``BLOCK_Q`` consecutive query tokens of one sequence times the ``GROUP`` query
   heads that share one KV head (GQA/MQA): ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, so every K/V tile
   serves all query heads of its group;
-- the grid is ``(num_kv_heads, cdiv(T, BLOCK_Q) + B, num_splits)``: the KV heads of one tile are
-  neighbours in launch order, so they run together and read each cached token's row (all heads,
-  contiguous) at once instead of one head's slice of it at a time (tiles first when they exceed
-  the grid's second dimension). Sequence ``b`` owns tiles from
+- the grid is ``(cdiv(T, BLOCK_Q) + B, num_kv_heads, num_splits)``. Sequence ``b`` owns tiles from
   ``cu_seqlens[b] // BLOCK_Q + b`` on (an upper bound that needs no prefix sum of tile counts); a
   program finds its sequence by counting and exits if its tile is past the sequence's queries.
   Tiles from ``cu_seqlens[B] // BLOCK_Q + B`` on belong to no sequence: tile ``B + i`` zeroes the
@@ -49,7 +46,6 @@ from .paged_attention_blocks import (
     _find_sequence, _merge_splits, _rotated, _write_new_kv,
 )
 
-MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _find_sequence)
 # Decode launches with a fused rotary embedding (see rope_decode_tuning)
 ROPE_DECODE_DIAGONAL_BLOCK = 16
@@ -74,14 +70,12 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.allow_dependents(PDL)
     pdl.wait(PDL)  # everything below reads activations or metadata (kernels/pdl.py)
-    if HEADS_FIRST:  # the KV heads of one sequence run side by side and share the cache rows they read
-        kv_head, tile = tl.program_id(0), tl.program_id(1)
-    else:
-        tile, kv_head = tl.program_id(0), tl.program_id(1)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q, SEARCH_BLOCK)
     owned = seq < num_seqs
@@ -139,7 +133,7 @@ def _paged_attention_kernel(
                     normed)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
-        counter = counters_ptr + tile * NUM_KV_HEADS + kv_head
+        counter = counters_ptr + tile * tl.num_programs(1) + kv_head
         arrived = _arrive(counter)
         if arrived == NUM_SPLITS - 1:  # the last split of this tile to arrive merges, then resets
             merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
@@ -272,11 +266,9 @@ def paged_attention_fwd(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, max_kv_len, q.device, q.element_size())
     group = num_heads // num_kv_heads
     block_q = launch.block_q(group)
-    tiles = triton.cdiv(num_tokens, block_q) + num_seqs
-    heads_first = launch.heads_first and tiles <= MAX_GRID_Y
-    grid = (num_kv_heads, tiles, launch.num_splits) if heads_first else (tiles, num_kv_heads, launch.num_splits)
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
-    counters = split_counters(tiles * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
+    counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
     rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
     _paged_attention_kernel[grid](
@@ -293,7 +285,6 @@ def paged_attention_fwd(
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
-        NUM_KV_HEADS=num_kv_heads, HEADS_FIRST=heads_first,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )

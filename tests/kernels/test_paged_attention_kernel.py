@@ -41,21 +41,6 @@ def test_mixed_batch_matches_reference(dtype, heads, kv_heads, splits):
     _compare(MIXED, heads, kv_heads, 16, dtype, AttentionLaunch(16, 16, splits))
 
 
-@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "tiles-first"])
-@pytest.mark.parametrize("decode", [False, True])
-def test_both_grid_orders(heads_first, decode):
-    """The grid runs KV heads first (tiles first past the grid's y limit); the split merge's
-    counters are indexed the same way under both orders."""
-    _compare(MIXED, 6, 2, 16, torch.float32, AttentionLaunch(16, 16, 3, decode=decode, heads_first=heads_first))
-
-
-def test_tiles_first_past_the_grid_limit(monkeypatch):
-    import autodeploy.kernels.paged_attention as kernel
-
-    monkeypatch.setattr(kernel, "MAX_GRID_Y", 2)  # every launch here has more tiles: tiles go first
-    _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2))
-
-
 @pytest.mark.parametrize("decode", [False, True], ids=["new-keys-in-two-loops", "new-keys-in-one-loop"])
 @pytest.mark.parametrize("heads,kv_heads", [(7, 1), (8, 2)], ids=["group7", "group4"])
 def test_both_loop_structures_on_a_mixed_batch(decode, heads, kv_heads):
