@@ -151,9 +151,11 @@ def compile_autodeploy(cfg, max_batch: int, context: int, backend: str, settings
     from autodeploy.config import CompileConfig, parse_set_option, set_dotted
 
     block = 16
-    blocks = max_batch * (-(-(context + 32) // block)) + 1
+    # room past the context for the engine rows: their first prompts decode while later ones prefill
+    max_seq_len = context + 64
+    blocks = max_batch * (-(-max_seq_len // block)) + 1
     fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
-                  max_seq_len=context + 32, num_kv_blocks=blocks, tokens_per_block=block, attention_backend=backend)
+                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block, attention_backend=backend)
     for item in settings:  # --set passes.fuse_norm_linear.enabled=false
         set_dotted(fields, *parse_set_option(item))
     config = CompileConfig(**fields)

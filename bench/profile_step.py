@@ -119,9 +119,10 @@ def main() -> None:
         host_split(model, chunks)
         kernel_table(model, chunks)
         if args.engine:
-            from autodeploy.serve.bench import decoding_engine
+            from autodeploy.serve.bench import decode_tokens_needed, decoding_engine
 
-            engine = decoding_engine(model, b, args.context - 4, 16)
+            # kernel_table runs 3 + 5 steps; all must decode the whole batch
+            engine = decoding_engine(model, b, args.context - 4, decode_tokens_needed(model, b, args.context - 4, 8))
             print(f"== {args.shape} batch {b}: engine decode steps", flush=True)
             kernel_table(model, None, step=engine.step)
 

@@ -63,6 +63,9 @@ for s in "$@"; do
         --max_seq_len 1024 --log_level warning
       section pyspy_summary 60 python3 bench/stack_summary.py "$OUT/offline128.pyspy.txt" --top 45 \
         --within 'step \(.*serve/engine.py' ;;
+    decode_large)  # the offline run's decode batch (~490 sequences, context ~192): padded graph sizes 480 / 512
+      section decode_large 300 python3 bench/decode_bench.py --impls autodeploy,engine --shapes llama8b \
+          --batches 448,480,490,512 --context 192 --json "$OUT/decode_large.json" ;;
     profile_large) section profile_large 200 python3 bench/profile_step.py --shape llama8b --batches 480 --context 192 --engine ;;
     serving) config_dir 8b; serving ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64 --engine

@@ -203,19 +203,35 @@ def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int =
                           overlap: bool | None = None) -> EngineStepTime:
     """One engine decode step in steady state: ``batch_size`` sequences of ``context_len`` prompt
     tokens, all decoding (scheduling, metadata, sampling and bookkeeping included; with overlap they
-    run while the device computes)."""
-    engine = decoding_engine(model, batch_size, context_len, warmup + steps + 2, overlap)
+    run while the device computes).
+
+    The first prompts decode while later ones prefill, so every request gets enough tokens for that
+    as well; a timed step that does not decode all ``batch_size`` sequences is an error (a shrinking
+    batch made earlier engine rows at batch 256 look faster than they were)."""
+    engine = decoding_engine(model, batch_size, context_len, decode_tokens_needed(model, batch_size, context_len,
+                                                                                  warmup + steps), overlap)
     for _ in range(warmup):
         engine.step()
     _sync(model.device)
-    start, waited = time.perf_counter(), engine.wait_seconds
+    start, waited, sizes = time.perf_counter(), engine.wait_seconds, []
     for _ in range(steps):
         engine.step()
+        sizes.append(len(engine.last_schedule.chunks))
     _sync(model.device)
+    if any(size != batch_size for size in sizes):
+        raise RuntimeError(f"the timed engine steps decoded {sorted(set(sizes))} sequences, not {batch_size}: "
+                           "requests finished during the measurement (raise max_seq_len)")
     timing = EngineStepTime(1000 * (time.perf_counter() - start) / steps, 1000 * (engine.wait_seconds - waited) / steps)
     for i in range(batch_size):
         engine.abort_request(str(i))
     return timing
+
+
+def decode_tokens_needed(model, batch_size: int, context_len: int, steps: int) -> int:
+    """``max_tokens`` for requests that must all still decode after ``steps`` more steps once the
+    last prompt is prefilled: the first ones generate a token in every step that prefills later ones."""
+    prefill_steps = -(-batch_size * context_len // model.config.max_num_tokens) + 1
+    return steps + 2 + prefill_steps
 
 
 def decoding_engine(model, batch_size: int, context_len: int, max_tokens: int, overlap: bool | None = None) -> Engine:

@@ -54,6 +54,22 @@ def test_engine_decode_step(compiled, monkeypatch, overlap):
     assert steps[-5:] == [3] * 5  # warm-up and timed steps decode all three sequences
 
 
+def test_engine_decode_step_keeps_the_whole_batch_when_prefill_takes_several_steps(compiled, monkeypatch):
+    """8 prompts of 100 tokens take 4 steps of 256 tokens: the first prompts decode meanwhile, and
+    must still be running in every timed step."""
+    import autodeploy.serve.bench as bench
+    from autodeploy.compiled import CompiledModel
+
+    steps, call = [], CompiledModel.__call__
+    monkeypatch.setattr(CompiledModel, "__call__", lambda self, chunks, *a: steps.append(len(chunks)) or call(self, chunks, *a))
+    engine_decode_step_ms(compiled, batch_size=8, context_len=100, steps=4, warmup=1)
+    assert steps[-5:] == [8] * 5
+    # with the old budget (warm-up + steps + 2 tokens) the batch shrinks: a clear error, not a number
+    monkeypatch.setattr(bench, "decode_tokens_needed", lambda model, b, c, n: n + 2)
+    with pytest.raises(RuntimeError, match="requests finished during the measurement"):
+        engine_decode_step_ms(compiled, batch_size=8, context_len=100, steps=4, warmup=1)
+
+
 def test_offline_benchmark_command(compiled, monkeypatch, capsys, tmp_path):
     import autodeploy.compiler
 
