@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, ".")  # noqa: E402 (run from the repository root)
 
 from autodeploy.kvcache.metadata import BatchMetadata, Padding, StepBuffers  # noqa: E402
+from autodeploy.sampling_params import RequestOutputKind  # noqa: E402
 
 
 class HostOnlyModel:
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--max_batch_size", type=int, default=512)
     parser.add_argument("--max_num_tokens", type=int, default=8192)
     parser.add_argument("--profile", action="store_true", help="cProfile the run, print the top functions")
+    parser.add_argument("--delta", action="store_true", help="per-step reports of every request (as the server)")
     args = parser.parse_args()
     max_seq_len = args.input_len + args.output_len + 16
     model = HostOnlyModel(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
@@ -64,7 +66,8 @@ def main() -> None:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    result = bench.run_offline(model, args.input_len, args.output_len, args.requests)
+    kind = RequestOutputKind.DELTA if args.delta else RequestOutputKind.FINAL_ONLY
+    result = bench.run_offline(model, args.input_len, args.output_len, args.requests, output_kind=kind)
     if profiler:
         profiler.disable()
     steps = result.steps

@@ -99,13 +99,14 @@ def _mean(values) -> float:
 
 
 def run_offline(model, input_len: int, output_len: int, num_requests: int, concurrency: int | None = None,
-                temperature: float = 0.0, seed: int = 0, enable_prefix_caching: bool = False) -> OfflineResult:
+                temperature: float = 0.0, seed: int = 0, enable_prefix_caching: bool = False,
+                output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> OfflineResult:
     """Run the benchmark on a compiled model; see the module docstring."""
     engine = Engine(model, None, EngineConfig(enable_prefix_caching=enable_prefix_caching))
     rng = random.Random(seed)
     # reported once per request, as LLM.generate does: per-step reports would cost the host more than the step
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed,
-                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                            detokenize=False, output_kind=output_kind)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
     concurrency = concurrency or num_requests
     _warm_up(engine)
@@ -132,7 +133,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     if allocator is not None:
         allocator = {name: allocator[name] - allocator_before[name] for name in allocator}
     itl = [gap for ran, gap in resolved for _ in range(_decode_tokens(ran))]
-    metrics = [out.metrics for out in finished]
+    metrics = [out.metrics for out in finished if out.finished]  # (DELTA: every report of every step)
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(m.finished_time - m.first_token_time) / (output_len - 1) for m in metrics if output_len > 1]
     mean_batch = max(1.0, _mean(s[0] for s in steps))

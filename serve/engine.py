@@ -258,6 +258,9 @@ class Engine:
 
     def _detokenize(self, seq: Sequence) -> None:
         """Feed new tokens to the detokenizer; a completed stop string ends the sequence there."""
+        if seq.detokenizer.tokenizer is None:  # detokenize=False: no text, so no stop string to find
+            seq.num_detokenized = len(seq.token_ids) - len(seq.request.prompt_token_ids)
+            return
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :]  # not output_token_ids: no full copy
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not seq.params.include_stop_str_in_output:
@@ -277,28 +280,32 @@ class Engine:
 
     def _request_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
         """The delta report of one request; a finished request is forgotten here."""
-        changed = [s for s in seqs if s.num_reported < s.num_output_tokens or (s.is_finished and not s.reported_finish)]
-        outputs = tuple(self._delta(s) for s in changed)
+        # (runs for every sequence of every step with per-step reports: plain attributes, no properties)
+        num_prompt = len(seqs[0].request.prompt_token_ids)
+        outputs = tuple(self._delta(s, num_prompt) for s in seqs
+                        if s.num_reported < len(s.token_ids) - num_prompt
+                        or (s.status is Status.FINISHED and not s.reported_finish))
         first = seqs[0]
         prompt_logprobs = None
         if first.prompt_logprobs is not None and not first.sent_prompt_logprobs and first.num_reported > 0:
             prompt_logprobs, first.sent_prompt_logprobs = tuple(first.prompt_logprobs), True
-        finished = all(s.is_finished for s in seqs)
+        finished = all(s.status is Status.FINISHED for s in seqs)
         if finished:
             del self._requests[request_id]
         return RequestOutput(request_id, first.request.prompt_token_ids, outputs, finished, prompt_logprobs,
                              first.num_cached_tokens, _request_metrics(seqs, finished))
 
-    def _delta(self, seq: Sequence) -> CompletionOutput:
-        start, seq.num_reported = seq.num_reported, seq.num_output_tokens
-        seq.reported_finish = seq.is_finished
+    def _delta(self, seq: Sequence, num_prompt: int) -> CompletionOutput:
+        finished = seq.status is Status.FINISHED
+        start = seq.num_reported
+        seq.num_reported, seq.reported_finish = len(seq.token_ids) - num_prompt, finished
         return CompletionOutput(
-            index=seq.index,
-            text=seq.detokenizer.take_new_text(seq.is_finished),
-            token_ids=tuple(seq.token_ids[seq.num_prompt_tokens + start :]),
-            logprobs=tuple(seq.logprobs[start:]) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            seq.index,
+            seq.detokenizer.take_new_text(finished),
+            tuple(seq.token_ids[num_prompt + start :]),
+            tuple(seq.logprobs[start:]) if seq.request.params.logprobs is not None else None,
+            seq.finish_reason,
+            seq.stop_reason,
         )
 
     # ---- validation -----------------------------------------------------------------------------

@@ -35,6 +35,14 @@ def test_offline_benchmark(compiled):
     assert result.allocator is None and "allocator" not in result.summary()  # CPU: no CUDA allocator
 
 
+def test_offline_benchmark_with_per_step_reports(compiled):
+    """DELTA reports (as the server) arrive every step; latencies come from the final ones only."""
+    from autodeploy.sampling_params import RequestOutputKind
+
+    result = run_offline(compiled, input_len=8, output_len=4, num_requests=4, output_kind=RequestOutputKind.DELTA)
+    assert result.ttft.count == 4 and result.tpot.count == 4 and result.itl.count == 4 * 3
+
+
 def test_allocator_line_flags_retries():
     from autodeploy.serve.bench import _allocator_line
 
