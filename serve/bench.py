@@ -219,10 +219,10 @@ def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int =
         engine.step()
         sizes.append(len(engine.last_schedule.chunks))
     _sync(model.device)
+    timing = EngineStepTime(1000 * (time.perf_counter() - start) / steps, 1000 * (engine.wait_seconds - waited) / steps)
     if any(size != batch_size for size in sizes):
         raise RuntimeError(f"the timed engine steps decoded {sorted(set(sizes))} sequences, not {batch_size}: "
                            "requests finished during the measurement (raise max_seq_len)")
-    timing = EngineStepTime(1000 * (time.perf_counter() - start) / steps, 1000 * (engine.wait_seconds - waited) / steps)
     for i in range(batch_size):
         engine.abort_request(str(i))
     return timing
