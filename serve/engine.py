@@ -300,12 +300,12 @@ class Engine:
         start = seq.num_reported
         seq.num_reported, seq.reported_finish = len(seq.token_ids) - num_prompt, finished
         return CompletionOutput(
-            seq.index,
-            seq.detokenizer.take_new_text(finished),
-            tuple(seq.token_ids[num_prompt + start :]),
-            tuple(seq.logprobs[start:]) if seq.request.params.logprobs is not None else None,
-            seq.finish_reason,
-            seq.stop_reason,
+            index=seq.index,
+            text=seq.detokenizer.take_new_text(finished),
+            token_ids=tuple(seq.token_ids[num_prompt + start :]),
+            logprobs=tuple(seq.logprobs[start:]) if seq.request.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
     # ---- validation -----------------------------------------------------------------------------
