@@ -125,7 +125,7 @@ def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
     names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
     pointers = {n: f"*{dtype}" for n in names}
     const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=1,
-                 BLOCK_N=16, BLOCK_K=256, PDL=pdl, EARLY_TRIGGER=True)
+                 BLOCK_N=4, BLOCK_K=1024, PDL=pdl, TRIGGER=1, PRELOAD=True)  # GemvLaunch.choose at one row
     const.update(overrides)
     return gemv._gemv_kernel, pointers, const
 
@@ -133,19 +133,20 @@ def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
 def _gemv_variants():
     """The decode GEMVs of the 8B shape (fused norm / add + norm / gated activation) at 1 and 4 rows."""
     pdl_on = {"launch_pdl": True}
-    four = dict(BLOCK_M=4, BLOCK_K=128)
+    four = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=128)
     yield ("gemv add+norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM), 4, 1, pdl_on)
     yield ("gemv norm -> qkv (PDL)", *_gemv(prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
     yield ("gemv gated silu -> down (PDL)", *_gemv(prologue=gemv.Prologue.GATED), 4, 1, pdl_on)
     yield ("gemv plain, bias (PDL)", *_gemv(HAS_BIAS=True), 4, 1, pdl_on)
-    yield ("gemv add+norm -> gate_up, K 512, late trigger (PDL)",
-           *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, BLOCK_K=512, EARLY_TRIGGER=False), 4, 1, pdl_on)
+    yield ("gemv add+norm 16 x 512, late trigger, no preload (PDL)",
+           *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, BLOCK_N=16, BLOCK_K=512, TRIGGER=2, PRELOAD=False), 4, 1, pdl_on)
+    yield ("gemv gated silu 8 x 1024 (PDL)", *_gemv(prologue=gemv.Prologue.GATED, BLOCK_N=8), 4, 1, pdl_on)
     yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 1)
     yield ("gemv add+norm, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, **four), 4, 1, pdl_on)
     yield ("gemv gated silu, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.GATED, **four), 4, 1, pdl_on)
     two_pass = _gemv("fp16", prologue=gemv.Prologue.ADD_RMS_NORM, TWO_PASS=True)
     yield ("gemv fp16 add+norm two-pass", *two_pass, 4, 1, pdl_on)
-    yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM, BLOCK_K=128), 4, 1, pdl_on)
+    yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
 
 
 def variants():

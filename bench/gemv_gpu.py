@@ -10,7 +10,9 @@
      cuBLAS gate/up, SiLU-mul kernel, cuBLAS down (7 launches per layer);
    - ``gemv``: add+norm+qkv GEMV, cuBLAS o, add+norm+gate/up GEMV, gated down GEMV (4 launches);
    - ``+pdl``: the GEMVs launched with programmatic dependent launch (``late``: the next kernel may
-     launch only after each program's weight loop, not at its start); ``k512``: K blocks of 512;
+     launch only after each program's weight loop, not at its start; ``after wait``: once each
+     program has waited for the previous kernel); ``k512``: K blocks of 512; ``preload``: the first
+     weight tile loaded before the PDL wait; ``n8``: 8 output features per program;
      ``+o gemv``: the o projection as a GEMV too.
    Printed: ms per step, us per layer, and TB/s of the weights streamed (the floor is weights / copy
    bandwidth, measured in the same run).
@@ -36,7 +38,7 @@ from gpu_harness import BF16_TOL, DEV, graph_us, rel_err  # noqa: E402  (this fo
 
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
 from autodeploy.kernels.activation import act_mul  # noqa: E402
-from autodeploy.kernels.gemv import GemvLaunch, Prologue, gemv  # noqa: E402
+from autodeploy.kernels.gemv import GemvLaunch, Prologue, Trigger, gemv  # noqa: E402
 from autodeploy.kernels.norm import add_rms_norm  # noqa: E402
 from autodeploy.ops.norm import rms_norm_reference  # noqa: E402
 
@@ -101,18 +103,25 @@ class Variant:
     pdl: bool = False
     o_gemv: bool = False
     block_k: int | None = None  # None: GemvLaunch.choose's
-    early_trigger: bool = True  # PDL: the next kernel may launch when a program starts, or after its loop
+    block_n: int | None = None
+    trigger: Trigger | None = Trigger.START  # PDL: where the next kernel may launch; None: choose's
+    preload: bool = True
 
     def launch(self, weight: torch.Tensor, forced: GemvLaunch | None) -> GemvLaunch:
         launch = forced or GemvLaunch.choose(*weight.shape)
-        return replace(launch, block_k=self.block_k or launch.block_k, early_trigger=self.early_trigger)
+        return replace(launch, block_k=self.block_k or launch.block_k, block_n=self.block_n or launch.block_n,
+                       trigger=launch.trigger if self.trigger is None else self.trigger, preload=self.preload)
 
 
-VARIANTS = [Variant("cublas", fused=False), Variant("gemv"), Variant("gemv k512", block_k=512),
-            Variant("gemv+pdl", pdl=True), Variant("gemv+pdl late", pdl=True, early_trigger=False),
-            Variant("gemv k512+pdl", pdl=True, block_k=512),
-            Variant("gemv k512+pdl late", pdl=True, block_k=512, early_trigger=False),
-            Variant("gemv k512+pdl late+o gemv", pdl=True, block_k=512, early_trigger=False, o_gemv=True)]
+LATE, AFTER_WAIT = Trigger.AFTER_LOOP, Trigger.AFTER_WAIT
+VARIANTS = [Variant("cublas", fused=False), Variant("gemv", trigger=None),
+            Variant("gemv+pdl", pdl=True, trigger=None),
+            Variant("gemv+pdl start", pdl=True, trigger=Trigger.START),
+            Variant("gemv+pdl late", pdl=True, trigger=LATE),
+            Variant("gemv+pdl no preload", pdl=True, trigger=None, preload=False),
+            Variant("gemv+pdl+o gemv", pdl=True, trigger=None, o_gemv=True),
+            Variant("gemv n16 k512+pdl start, no preload", pdl=True, block_n=16, block_k=512, trigger=Trigger.START,
+                    preload=False)]
 
 
 def step(layers: list[Layer], x: torch.Tensor, res: torch.Tensor, variant: Variant, launch: GemvLaunch | None):
@@ -165,12 +174,13 @@ def chain_table(shape_name: str, layers: list[Layer], rows_list, copy: float) ->
     return lines
 
 
-def sweep(layers: list[Layer]) -> list[str]:
-    lines = ["sweep (llama8b, M=1, PDL, late trigger): BLOCK_N, BLOCK_K, warps"]
-    configs = [(16, 512, 4), (8, 512, 4), (16, 1024, 8), (8, 256, 4), (32, 512, 8), (16, 256, 4)]
-    variant = Variant("sweep", pdl=True, early_trigger=False)
+def sweep(shape_name: str, layers: list[Layer]) -> list[str]:
+    lines = [f"sweep ({shape_name}, M=1, PDL, trigger after wait, preload, o gemv): BLOCK_N, BLOCK_K, warps"]
+    configs = [(8, 1024, 4), (4, 1024, 4), (4, 2048, 4), (8, 2048, 8), (8, 1024, 8), (2, 2048, 4), (16, 512, 4),
+               (8, 512, 4), (4, 512, 4)]
+    variant = Variant("sweep", pdl=True, trigger=AFTER_WAIT, o_gemv=True)
     for bn, bk, warps in configs:
-        launch = GemvLaunch(block_n=bn, block_k=bk, num_warps=warps)
+        launch = GemvLaunch(block_n=bn, block_k=bk, num_warps=warps, trigger=AFTER_WAIT, preload=True)
         try:
             us, _ = time_chain(layers, 1, variant, launch)
         except Exception as exc:  # e.g. out of registers for this config
@@ -223,8 +233,8 @@ def main() -> int:
         layers = make_layers(shape, shape["layers"])
         checks += check_ops(name, layers[0], shape)
         tables += chain_table(name, layers, (1,), copy)  # 4 rows lost on both shapes (2026-12-03)
-        if args.sweep and name == "llama8b":
-            tables += sweep(layers)
+        if args.sweep:
+            tables += sweep(name, layers)
         del layers
         torch.cuda.empty_cache()
     failed = [(n, e) for n, e in checks if not e < BF16_TOL]

@@ -63,9 +63,19 @@ for s in "$@"; do
         --max_seq_len 1024 --log_level warning
       section pyspy_summary 60 python3 bench/stack_summary.py "$OUT/offline128.pyspy.txt" --top 45 \
         --within 'step \(.*serve/engine.py' ;;
+    decode_small|decode_b1)  # batch 1 and 8; decode_small then batch 1 with the 8B linears on cuBLAS (GEMV up to 8 MB, as before)
+      section decode_small 300 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1,8 \
+          --json "$OUT/decode_small.json" ;;&
+    decode_small)
+      section decode_small_cublas 150 env AUTODEPLOY_GEMV_MAX_WEIGHT_MB=8 python3 bench/decode_bench.py \
+          --impls autodeploy,engine --shapes llama8b --batches 1 --set passes.decode_linear.enabled=false \
+          --label _cublas --json "$OUT/decode_small_cublas.json" ;;
+    decode_big) section decode_big 300 python3 bench/decode_bench.py --impls autodeploy,engine --batches 64,256 \
+        --json "$OUT/decode_big.json" ;;
     decode_large)  # the offline run's decode batch (~490 sequences, context ~192): padded graph sizes 480 / 512
       section decode_large 300 python3 bench/decode_bench.py --impls autodeploy,engine --shapes llama8b \
           --batches 448,480,490,512 --context 192 --json "$OUT/decode_large.json" ;;
+    profile_b1) section profile_b1 150 python3 bench/profile_step.py --shape llama8b --batches 1 --engine ;;
     profile_large) section profile_large 200 python3 bench/profile_step.py --shape llama8b --batches 480 --context 192 --engine ;;
     serving) config_dir 8b; serving ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64 --engine

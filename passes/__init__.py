@@ -14,6 +14,7 @@ _BUILTIN = {
     "fuse_add_rms_norm": "autodeploy.passes.fuse:FuseAddRMSNorm",
     "fuse_rope_qk": "autodeploy.passes.fuse:FuseRoPEQK",
     "fuse_norm_linear": "autodeploy.passes.fuse:FuseNormLinear",
+    "decode_linear": "autodeploy.passes.fuse:DecodeLinear",
     "load_weights": "autodeploy.passes.load_weights:LoadWeights",
     "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
     "fuse_rope_attention": "autodeploy.passes.fuse_rope_attention:FuseRoPEAttention",

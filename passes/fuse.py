@@ -6,7 +6,9 @@
   directly instead of an fp32 copy (``transforms/fuse_add_rms_norm.py``);
 - ``fuse_rope_qk``: the q and k rotations of an attention in one launch (``transforms/fuse_rope_qk.py``);
 - ``fuse_norm_linear``: an RMSNorm read only by one linear -> one op, a single GEMV kernel for decode
-  steps of a few tokens (``transforms/fuse_norm_linear.py``).
+  steps of a few tokens (``transforms/fuse_norm_linear.py``);
+- ``decode_linear``: the remaining linears (attention output, LM head) -> ``autodeploy::linear``, the
+  same GEMV at one row (``transforms/decode_linear.py``).
 
 The two GEMM fusions create stacked parameters on meta and register a load hook per checkpoint
 tensor that copies it into its rows of the stacked parameter on the device (allocated when the
@@ -22,6 +24,7 @@ from torch import fx
 from autodeploy.export import get_tensor_attr
 from autodeploy.graph.params import FusedParameter
 from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
+from autodeploy.transforms.decode_linear import use_decode_linear
 from autodeploy.transforms.fuse_add_rms_norm import fold_norm_input_casts, fuse_add_rms_norm
 from autodeploy.transforms.fuse_gate_up import fuse_gate_up
 from autodeploy.transforms.fuse_norm_linear import fuse_norm_linear
@@ -126,3 +129,13 @@ class FuseNormLinear(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         result = fuse_norm_linear(ctx.gm)
         return PassResult(result.matches, f"{result.matches} norms folded into their linear, {result.rejected} left")
+
+
+class DecodeLinear(Pass):
+    name = "decode_linear"
+    stage = Stage.FUSE
+    ensures = ("decode_linear",)
+
+    def apply(self, ctx: CompileContext) -> PassResult:
+        result = use_decode_linear(ctx.gm)
+        return PassResult(result.matches, f"{result.matches} linears take the GEMV at one row")

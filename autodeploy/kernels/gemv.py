@@ -17,7 +17,7 @@ is for few rows only (``MAX_ROWS``). The products are fp32 FMAs on the CUDA core
 (row, feature, k-lane) and reduced over k once at the end: padding the rows to the tensor cores' 16
 made every program apply the prologue to 16 rows, and that arithmetic, not the weight stream, set
 the pace (H200: 0.5 TB/s). The memory latency is hidden by the bytes each program has in flight
-(a 16 x 512 weight tile per iteration at one row) times the programs per SM (three at 146 registers);
+(a 4 x 1024 weight tile per iteration at one row) times the programs per SM (seven at 72 registers);
 a weight tile carried across iterations cost a shared-memory layout conversion per tile.
 
 RMSNorm's ``1/rms`` is a per-row factor of the dot product, so the kernel accumulates ``sum(x^2)``
@@ -27,8 +27,13 @@ the same size, bf16 and fp32). fp16 could overflow on ``x * w`` where the refere
 fp16 a first pass computes ``1/rms`` and the operand is exactly the reference's (``TWO_PASS``).
 
 With PDL (``autodeploy.kernels.pdl``) the next kernel may launch while this one streams, and this
-one waits for the previous kernel before it reads x. (An L2 prefetch of the first weight rows before
-that wait was measured on the H200 and removed: within 1% either way.)
+one waits for the previous kernel before it reads x. Weights are written by no kernel of a step, so
+with ``preload`` each program loads its first weight tile before that wait: a program placed while
+the previous kernel finishes streams its first tile in that kernel's tail. Where the next kernel may
+launch (``Trigger``) decides how many of its programs wait on SM slots meanwhile. (An
+L2 prefetch of the rest of the program's weight rows before the wait, for the attention output
+projection while the attention leaves DRAM idle, made the 8B batch-1 step 0.11 ms slower on the
+H200: removed.)
 """
 
 from __future__ import annotations
@@ -54,10 +59,18 @@ class Prologue(IntEnum):
 # the kernel's spelling of the same values (a jit function reads only constexpr globals)
 NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
 MAX_ROWS = 4  # every program applies the prologue to all rows: the GEMV is for a few rows only
-# PDL trigger at a program's start only for grids of about one wave (H200: 132 SMs x 3 programs).
-# Same run as above: SmolLM2 (36-192 programs) 0.465 ms early vs 0.478 late; 8B (256-1792 programs)
-# 4.25 early vs 4.19 late, as the next kernel's waiting programs take SM slots from later waves.
-EARLY_TRIGGER_MAX_PROGRAMS = 384
+
+
+class Trigger(IntEnum):
+    """Where a program lets the next kernel launch (PDL; the next kernel launches once every program
+    of this one got there or exited)."""
+
+    START = 0  # before the wait: the next kernel may launch before this one's inputs are ready
+    AFTER_WAIT = 1  # after the wait: at most one kernel ahead waits for SM slots
+    AFTER_LOOP = 2  # after the weight loop: only the epilogues overlap
+
+
+START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
 
 
 @triton.jit
@@ -102,13 +115,23 @@ def _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
     return tl.rsqrt(sumsq / K + eps)
 
 
+@triton.jit
+def _accumulate(acc, w, a, BLOCK_M: tl.constexpr):
+    """acc += the products of one weight tile [BLOCK_N, BLOCK_K] with the operand [BLOCK_M, BLOCK_K]."""
+    if BLOCK_M == 1:
+        acc += w.to(tl.float32) * tl.sum(a.to(tl.float32), 0)[None, :]
+    else:
+        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,9 +140,14 @@ def _gemv_kernel(
     row_ok = rows < M
     lanes = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    if EARLY_TRIGGER:
+    w_first = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+    if PRELOAD:  # weights: no kernel of the step writes them, so before the wait
+        w_first = tl.load(w_rows + lanes[None, :], mask=col_ok[:, None] & (lanes < K)[None, :], other=0.0)
+    if TRIGGER == START:
         pdl.allow_dependents(PDL)
     pdl.wait(PDL)
+    if TRIGGER == AFTER_WAIT:
+        pdl.allow_dependents(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TWO_PASS:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
@@ -128,17 +156,21 @@ def _gemv_kernel(
     # products accumulate per k-lane and are summed over k once after the loop (a reduction per
     # iteration would cross warps); one row broadcasts x over the weight tile
     acc = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first_k = 0
+    if PRELOAD:  # the first tile's products, then the loop over the rest
+        a, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, lanes, row_ok[:, None] & (lanes < K)[None, :],
+                            K, rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm,
+                            PROLOGUE, ACTIVATION, TWO_PASS)
+        acc = _accumulate(acc, w_first, a, BLOCK_M)
+        first_k = BLOCK_K
+    for k0 in range(first_k, K, BLOCK_K):
         ks = k0 + lanes
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
         a, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :],
                             K, rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm,
                             PROLOGUE, ACTIVATION, TWO_PASS)
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * tl.sum(a.to(tl.float32), 0)[None, :]
-        else:
-            acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not EARLY_TRIGGER:
+        acc = _accumulate(acc, w, a, BLOCK_M)
+    if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
     if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
@@ -156,22 +188,25 @@ class GemvLaunch:
     block_n: int
     block_k: int
     num_warps: int = 4
-    # PDL: let the next kernel launch when a program starts (its programs then wait on free SM
-    # slots: good for a grid of one wave) or only after the weight loop (a grid of several waves
-    # keeps every slot for its own programs)
-    early_trigger: bool = True
+    # PDL: where the next kernel may launch, and whether the first weight tile is loaded before the
+    # wait. All linears of an 8B decode step but the o projection (bench/gemv_gpu.py, H200,
+    # 2026-12-03, 8 x 1024 tiles): after the wait + preload 3.68 ms, at the start 3.67, after the
+    # weight loop 3.70, without the preload 3.75; SmolLM2 0.329 / 0.329 / 0.343 / 0.358 ms. Trigger
+    # at the start cascades (the next kernel's programs trigger while they wait, so kernels further
+    # down can claim SM slots); after the wait is as fast and launches at most one kernel early.
+    trigger: Trigger = Trigger.AFTER_WAIT
+    preload: bool = True
 
     @classmethod
     def choose(cls, n: int, k: int, rows: int = 1) -> "GemvLaunch":
-        # 16 output features per program. The accumulator holds rows x 16 x BLOCK_K fp32 values over
-        # 128 threads. One row: K blocks of 512 (64 registers of accumulator, 146 in all, three programs
-        # per SM), which keep twice the bytes in flight of blocks of 256: all linears of a SmolLM2 step
-        # 0.537 -> 0.465 ms, of an 8B step 5.13 -> 4.25 ms (H200, bench/gemv_gpu.py, 2026-12-03). Four
-        # rows: blocks of 128.
-        block_k = 512 if rows == 1 else 128
-        programs = triton.cdiv(n, 16)
-        return cls(block_n=16, block_k=min(block_k, max(16, triton.next_power_of_2(k))),
-                   early_trigger=programs <= EARLY_TRIGGER_MAX_PROGRAMS)
+        # One row: 4 output features x K blocks of 1024 per program (32 fp32 accumulator registers,
+        # 72 in all: seven programs per SM, 8 KB of weights in flight each; every weight row is read
+        # 2 KB at a time). All linears of a step incl. the o projection (H200, bench/gemv_gpu.py
+        # --sweep, 2026-12-03): 8B 3.47 ms (8 x 1024: 3.51; 16 x 512, 146 registers and three
+        # programs per SM: 4.20; 4 x 512: 4.01), cuBLAS 3.98; SmolLM2 0.249 ms (0.254, 0.369,
+        # 0.291), cuBLAS 0.660. Four rows: 16 x 128 (the accumulator is rows x features x K lanes).
+        block_n, block_k = (4, 1024) if rows == 1 else (16, 128)
+        return cls(block_n=block_n, block_k=min(block_k, max(16, triton.next_power_of_2(k))))
 
 
 def gemv_rows_ok(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
@@ -227,6 +262,6 @@ def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activat
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
         TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, EARLY_TRIGGER=launch.early_trigger,
+        BLOCK_K=launch.block_k, TRIGGER=int(launch.trigger), PRELOAD=launch.preload,
         num_warps=launch.num_warps, num_stages=1, **options,
     )

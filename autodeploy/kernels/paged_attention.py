@@ -73,16 +73,18 @@ def _paged_attention_kernel(
     DIAG_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.allow_dependents(PDL)
-    pdl.wait(PDL)  # everything below reads activations or metadata (kernels/pdl.py)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata is copied in before the step's first kernel and written by none of its
+    # kernels, so it is read before the PDL wait, while the kernel before this one finishes.
     seq = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q, SEARCH_BLOCK)
     owned = seq < num_seqs
     # issued together: one memory round trip for all the tile needs to know about its sequence
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1, mask=owned, other=0) - q_start
     ctx_len = tl.load(context_lens_ptr + seq, mask=owned, other=0)
+    pdl.wait(PDL)  # everything below reads activations or writes (kernels/pdl.py)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)

@@ -6,7 +6,9 @@
   ``(linear(rms_norm(x + residual, ...), weight, bias), x + residual)``;
 - ``swiglu_down(gate_up, w_down, activation)`` = ``linear(act(gate) * up, w_down)`` where ``gate`` and
   ``up`` are the two halves of ``gate_up`` (gate first): the down projection of a gated MLP whose gate
-  and up GEMMs are one.
+  and up GEMMs are one;
+- ``linear(x, weight, bias)`` = ``F.linear``: the linears no norm or activation precedes (attention
+  output, LM head), so that they too run as the GEMV (``decode_linear``).
 
 On CUDA a call of at most ``GEMV_MAX_ROWS`` rows on a weight of at most ``GEMV_MAX_WEIGHT_BYTES``
 is one Triton GEMV with the norm or the activation fused into its operand loads
@@ -26,14 +28,15 @@ from ._triton import use_triton
 from .mlp import gated_activation
 from .norm import fused_add_rms_norm, rms_norm
 
-# Where the fused GEMV beat norm/activation kernel + cuBLAS on the H200 (docs/perf.md, 2026-12-03):
-# one row and small weights. All linears of a SmolLM2-135M step (1-3.5 MB weights): 0.52-0.54 ms
-# against 0.67 ms. The 8B shape's (34-235 MB): 4.24 ms at best against 4.01, where cuBLAS streams
-# at 3.5-4.0 TB/s and saving a 2 us norm launch does not pay for the GEMV's lower bandwidth. At 4
-# rows it lost on both shapes (each program applies the prologue to every row).
-# AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off (read once: the check sits on every linear's path).
+# Where the GEMV beats norm/activation kernel + cuBLAS on the H200 (docs/perf.md): one row. All
+# linears of a SmolLM2-135M step (1-3.5 MB weights): 0.31-0.44 ms against 0.67 ms; of a Llama-3.1-8B
+# step (34-235 MB): 3.63 ms against 3.89 (8 x 1024 tiles, the first one loaded before the PDL wait;
+# 2026-12-03). Larger weights were not measured: they stay on cuBLAS. At 4 rows it lost on both
+# shapes (each program applies the prologue to every row).
+# AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off, AUTODEPLOY_GEMV_MAX_WEIGHT_MB sets the weight cap
+# (read once: the check sits on every linear's path).
 GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_GEMV_MAX_ROWS", "1"))
-GEMV_MAX_WEIGHT_BYTES = 8 << 20
+GEMV_MAX_WEIGHT_BYTES = int(float(os.environ.get("AUTODEPLOY_GEMV_MAX_WEIGHT_MB", "256")) * (1 << 20))
 
 
 def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
@@ -105,3 +108,16 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "
 @swiglu_down.register_fake
 def _(gate_up, w_down, activation="silu"):
     return _linear_fake(gate_up, w_down)
+
+
+@torch.library.custom_op("autodeploy::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    gemv = _gemv_kernels(x, weight)
+    if gemv is not None:
+        return gemv.gemv(x, weight, bias)[0]
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    return _linear_fake(x, weight)

@@ -4,12 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autodeploy.kernels.gemv import GemvLaunch, Prologue, gemv
+from dataclasses import replace
+
+from autodeploy.kernels.gemv import GemvLaunch, Prologue, Trigger, gemv
 from autodeploy.ops.mlp import ACTIVATIONS
 from autodeploy.ops.norm import rms_norm_reference
 
 DTYPES = [torch.float32, torch.float16]
-SMALL = GemvLaunch(block_n=16, block_k=32)  # several programs and K blocks at test sizes
+# several programs and K blocks at test sizes; the first weight tile loaded in the loop or before the
+# (GPU-only) PDL wait, after which the loop starts at the second tile
+SMALL = GemvLaunch(block_n=16, block_k=32, trigger=Trigger.START, preload=False)
+PRELOADED = replace(SMALL, preload=True, trigger=Trigger.AFTER_WAIT)
+LAUNCHES = pytest.mark.parametrize("launch", [SMALL, PRELOADED], ids=["loop", "preload"])
 
 
 def _rel_err(got, want):
@@ -26,13 +32,15 @@ def _inputs(m, k, n, dtype, cols=None):
     return x, w
 
 
+@LAUNCHES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_plain_gemv_with_and_without_bias(dtype, m):
-    x, w = _inputs(m, 80, 40, dtype)  # K and N not multiples of the blocks: masked tails
+@pytest.mark.parametrize("k", [80, 20])  # masked tails of several K blocks; a K of one partial block
+def test_plain_gemv_with_and_without_bias(dtype, m, k, launch):
+    x, w = _inputs(m, k, 40, dtype)  # N not a multiple of the block either
     bias = torch.randn(40).to(dtype)
     for b in (None, bias):
-        out, summed = gemv(x, w, b, prologue=Prologue.NONE, launch=SMALL)
+        out, summed = gemv(x, w, b, prologue=Prologue.NONE, launch=launch)
         assert summed is None and out.shape == (m, 40)
         assert _rel_err(out, F.linear(x.float(), w.float(), None if b is None else b.float())) < _bound(dtype)
 
@@ -47,35 +55,38 @@ def test_rms_norm_prologue(dtype):
     assert out.shape == (1, 4, 48) and _rel_err(out.view(4, 48), want) < _bound(dtype)
 
 
+@LAUNCHES
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_prologue_returns_the_sum_exactly(dtype):
+def test_add_rms_norm_prologue_returns_the_sum_exactly(dtype, launch):
     x, w = _inputs(2, 64, 64, dtype)
     residual, norm_w = torch.randn(2, 64).to(dtype), torch.randn(64).to(dtype)
     bias = torch.randn(64).to(dtype)
     out, summed = gemv(x, w, bias, prologue=Prologue.ADD_RMS_NORM, residual=residual, norm_weight=norm_w, eps=1e-5,
-                       launch=SMALL)
+                       launch=launch)
     want_sum = x + residual
     torch.testing.assert_close(summed, want_sum, atol=0, rtol=0)
     want = F.linear(rms_norm_reference(want_sum, norm_w, 1e-5).float(), w.float(), bias.float())
     assert _rel_err(out, want) < _bound(dtype)
 
 
+@LAUNCHES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_gated_prologue_reads_gate_and_up_halves(dtype, activation):
+def test_gated_prologue_reads_gate_and_up_halves(dtype, activation, launch):
     gate_up, w = _inputs(3, 48, 32, dtype, cols=96)
-    out, _ = gemv(gate_up, w, prologue=Prologue.GATED, activation=activation, launch=SMALL)
+    out, _ = gemv(gate_up, w, prologue=Prologue.GATED, activation=activation, launch=launch)
     gate, up = gate_up.float().chunk(2, dim=-1)
     hidden = (ACTIVATIONS[activation](gate) * up).to(dtype)  # act_mul rounds once, as the kernel does
     assert _rel_err(out, F.linear(hidden.float(), w.float())) < _bound(dtype)
 
 
-def test_fp16_norm_operand_does_not_overflow_where_the_reference_does_not():
+@LAUNCHES
+def test_fp16_norm_operand_does_not_overflow_where_the_reference_does_not(launch):
     """x * w would overflow fp16 (300 * 300 > 65504); x * w / rms does not: fp16 takes two passes."""
-    x = torch.full((1, 32), 300.0, dtype=torch.float16)
-    norm_w = torch.full((32,), 300.0, dtype=torch.float16)
-    w = (torch.randn(16, 32) / 32).to(torch.float16)
-    out, _ = gemv(x, w, prologue=Prologue.RMS_NORM, norm_weight=norm_w, eps=1e-6, launch=SMALL)
+    x = torch.full((1, 64), 300.0, dtype=torch.float16)
+    norm_w = torch.full((64,), 300.0, dtype=torch.float16)
+    w = (torch.randn(16, 64) / 64).to(torch.float16)
+    out, _ = gemv(x, w, prologue=Prologue.RMS_NORM, norm_weight=norm_w, eps=1e-6, launch=launch)
     want = F.linear(rms_norm_reference(x, norm_w, 1e-6).float(), w.float())
     assert torch.isfinite(out).all() and _rel_err(out, want) < 3e-3
 
@@ -115,8 +126,10 @@ def test_fused_linear_ops_take_the_gemv_only_for_few_rows(monkeypatch, rows):
     got = ops.swiglu_down(gate_up, w.t().contiguous(), "silu")
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w.t()), atol=1e-5, rtol=1e-5)
-    assert len(launched) == (3 if rows <= fused_linear.GEMV_MAX_ROWS else 0)
+    torch.testing.assert_close(ops.linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    assert len(launched) == (4 if rows <= fused_linear.GEMV_MAX_ROWS else 0)
     if rows == 1:  # a weight past GEMV_MAX_WEIGHT_BYTES goes to the GEMM
         monkeypatch.setattr(fused_linear, "GEMV_MAX_WEIGHT_BYTES", w.numel() * w.element_size() - 1)
         ops.rms_norm_linear(x, norm_w, 1e-6, w, bias)
-        assert len(launched) == 3
+        torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=0, rtol=0)
+        assert len(launched) == 4
