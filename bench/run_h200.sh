@@ -70,6 +70,8 @@ for s in "$@"; do
       section decode_small_cublas 150 env AUTODEPLOY_GEMV_MAX_WEIGHT_MB=8 python3 bench/decode_bench.py \
           --impls autodeploy,engine --shapes llama8b --batches 1 --set passes.decode_linear.enabled=false \
           --label _cublas --json "$OUT/decode_small_cublas.json" ;;
+    decode_peers_b1) section decode_peers_b1 330 python3 bench/decode_bench.py --batches 1 --static-batches 1 \
+        --json "$OUT/decode_peers_b1.json" ;;  # HF eager, HF static + compile and autodeploy at batch 1, one run
     decode_big) section decode_big 300 python3 bench/decode_bench.py --impls autodeploy,engine --batches 64,256 \
         --json "$OUT/decode_big.json" ;;
     decode_large)  # the offline run's decode batch (~490 sequences, context ~192): padded graph sizes 480 / 512
