@@ -28,10 +28,10 @@ from ._triton import use_triton
 from .mlp import gated_activation
 from .norm import fused_add_rms_norm, rms_norm
 
-# Where the GEMV beats norm/activation kernel + cuBLAS on the H200 (docs/perf.md): one row. All
-# linears of a SmolLM2-135M step (1-3.5 MB weights): 0.31-0.44 ms against 0.67 ms; of a Llama-3.1-8B
-# step (34-235 MB): 3.63 ms against 3.89 (8 x 1024 tiles, the first one loaded before the PDL wait;
-# 2026-12-03). Larger weights were not measured: they stay on cuBLAS. At 4 rows it lost on both
+# Where the GEMV beats norm/activation kernel + cuBLAS on the H200 (docs/perf.md, 2026-12-03): one
+# row. All linears of a SmolLM2-135M step (1-3.5 MB weights): 0.249 ms against 0.660; of a
+# Llama-3.1-8B step (34-235 MB): 3.47 ms against 3.98 (4 x 1024 tiles, the first one loaded before
+# the PDL wait). Larger weights were not measured: they stay on cuBLAS. At 4 rows it lost on both
 # shapes (each program applies the prologue to every row).
 # AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off, AUTODEPLOY_GEMV_MAX_WEIGHT_MB sets the weight cap
 # (read once: the check sits on every linear's path).
