@@ -117,6 +117,9 @@ def _attention(dtype="bf16", **overrides):
                  PDL=False)
     const.update(overrides)
     const.setdefault("DIAG_BLOCK_N", const["BLOCK_N"])
+    const.setdefault("TRIGGER", 0)
+    # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
+    const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
     return paged_attention._paged_attention_kernel, pointers, const
 
@@ -175,6 +178,14 @@ def variants():
     yield ("attn rope decode batch 1", *_attention(num_seqs=1, num_tokens=1, **half), 4, 2, options)
     yield ("attn rope decode batch 1 (PDL)", *_attention(num_seqs=1, num_tokens=1, **dict(half, PDL=True)), 4, 2,
            {**options, "launch_pdl": True})
+    # small grids (batch 1 and 8): 32 keys per block, one diagonal block of 16
+    diagonal32, options32 = paged_attention.rope_decode_tuning(32)
+    half32 = dict(half, BLOCK_N=32, DIAG_BLOCK_N=diagonal32)
+    yield ("attn rope decode b1 (32 keys, s16, PDL)",
+           *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
+           {**options32, "launch_pdl": True})
+    yield ("attn rope decode smollm2 (32 keys, s32)",
+           *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64, **dict(half32, ROT_DIM=64, NUM_SPLITS=32)), 4, 2, options32)
     yield ("attn rope decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16, **half), 4, 2, options)
     yield ("attn rope decode gqa3 d64 (smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64,
                                                               **dict(half, ROT_DIM=64)), 4, 2, options)

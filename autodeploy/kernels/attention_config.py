@@ -7,19 +7,22 @@ graph needs the same launch on every replay), and nothing here reads a metadata 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
-MIN_KEYS_PER_SPLIT = 128  # a split must stream at least this many keys to pay for its partial write
-MAX_SPLITS = 64
+from .pdl import Trigger
+
+MIN_KEYS_PER_SPLIT = 64  # a split must stream at least one block of this many keys to pay for its partials
+MAX_SPLITS = 32  # SmolLM2 (3 KV heads) at batch 1 x 512: 32 splits 7.1 us per layer, 64: 10.0 (bench/layer_chain.py)
 DECODE_TOKENS_PER_SEQ = 4  # at most this many tokens per sequence on average: the decode launch
 # Programs wanted per SM before splitting the keys (H200 sweep, bench/kernels_gpu.py --sweep,
 # 2026-12-02): a decode program streams keys at its own latency-bound pace, so more programs than
 # ~1.5 per SM only add partial results to merge. 64 x 512 keys: 1 split 44 us, 4 splits 75 us;
-# 8 x 4096: 4 splits 61 us, 16 splits 69 us; 1 x 4096: 16 splits 25 us, 32 splits 29 us.
-# A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
-# work: split only when the tiles cannot give every SM two programs.
+# 8 x 4096: 4 splits 61 us, 16 splits 69 us; 1 x 4096: 16 splits 25 us, 32 splits 29 us. At batch 1
+# between the GEMVs of a decode step (bench/layer_chain.py, 2026-12-03, 8B shape, 512 keys, splits
+# without keys skipping the merge): 4 splits 13.6 us per layer, 8: 11.5, 16: 11.8, 32: 15.8.
 DECODE_PROGRAMS_PER_SM = 1.5
 PREFILL_PROGRAMS_PER_SM = 2
 CPU_TARGET_PROGRAMS = {True: 12, False: 2}  # decode / prefill under the interpreter: small tests still split
@@ -32,6 +35,11 @@ class AttentionLaunch:
     ``decode``: tiles hold few new keys (about one per sequence), so the kernel walks them in one
     masked loop instead of an unmasked loop plus the diagonal: one loop fewer, fewer registers.
     Either way is correct for any step.
+
+    ``preload_kv`` (decode launches only): each program loads its split's first block of pooled keys
+    (block table entries, then K and V) before the PDL wait, while the kernel before it finishes, so
+    that after the wait the block is a dot away instead of two dependent memory round trips.
+    ``trigger``: where each program lets the next kernel (under PDL) launch.
     """
 
     block_m: int
@@ -40,6 +48,8 @@ class AttentionLaunch:
     num_warps: int = 4
     num_stages: int = 2
     decode: bool = False
+    preload_kv: bool = False
+    trigger: Trigger = Trigger.START
 
     def block_q(self, group: int) -> int:
         """Query tokens per tile for ``group`` query heads per KV head."""
@@ -75,8 +85,18 @@ class AttentionLaunch:
             warps, stages = (8 if block_m >= 128 or head_dim > 128 else 4), 2  # 4 warps spill at head 256
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
-        splits = _num_splits(tiles, max_kv_len, _target_programs(decode, device))
-        return cls(block_m, block_n, splits, warps, stages, decode)
+        target = _target_programs(decode, device)
+        if decode and tiles < target:  # latency-bound: 8B batch 1 x 512 between the GEMVs, 10.4 vs 12.5 us
+            block_n = min(block_n, 32)
+        splits = _num_splits(tiles, max_kv_len, target)
+        # A grid short of filling the GPU waits on latency, which the preload hides. In a full one
+        # its 30-40 extra registers cost occupancy, and fp32 blocks spill (bench/compile_sm90.py).
+        preload = decode and tiles < target and element_size <= 2 and _preload_allowed()
+        return cls(block_m, block_n, splits, warps, stages, decode, preload)
+
+
+def _preload_allowed() -> bool:
+    return os.environ.get("AUTODEPLOY_ATTN_PRELOAD_KV", "1") != "0"
 
 
 def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:

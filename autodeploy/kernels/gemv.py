@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import Trigger  # noqa: F401  (re-exported: GemvLaunch's trigger)
 from .activation import ACTIVATION_IDS, activate
 
 
@@ -59,15 +60,6 @@ class Prologue(IntEnum):
 # the kernel's spelling of the same values (a jit function reads only constexpr globals)
 NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
 MAX_ROWS = 4  # every program applies the prologue to all rows: the GEMV is for a few rows only
-
-
-class Trigger(IntEnum):
-    """Where a program lets the next kernel launch (PDL; the next kernel launches once every program
-    of this one got there or exited)."""
-
-    START = 0  # before the wait: the next kernel may launch before this one's inputs are ready
-    AFTER_WAIT = 1  # after the wait: at most one kernel ahead waits for SM slots
-    AFTER_LOOP = 2  # after the weight loop: only the epilogues overlap
 
 
 START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)

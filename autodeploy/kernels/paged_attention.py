@@ -40,13 +40,16 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
     LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_range,
-    _find_sequence, _merge_splits, _rotated, _write_new_kv,
+    _load_key_block, _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _write_new_kv,
 )
 
-SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _find_sequence)
+SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
+START, AFTER_WAIT = tl.constexpr(Trigger.START.value), tl.constexpr(Trigger.AFTER_WAIT.value)
+
 # Decode launches with a fused rotary embedding (see rope_decode_tuning)
 ROPE_DECODE_DIAGONAL_BLOCK = 16
 ROPE_DECODE_MAX_REGISTERS = 128
@@ -70,27 +73,46 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.allow_dependents(PDL)
+    if TRIGGER == START:
+        pdl.allow_dependents(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's metadata is copied in before the step's first kernel and written by none of its
-    # kernels, so it is read before the PDL wait, while the kernel before this one finishes.
-    seq = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q, SEARCH_BLOCK)
+    # Before the PDL wait: what no kernel of this step writes. The step's metadata is copied in
+    # before its first kernel, and the pool below each sequence's context length was written by
+    # earlier steps (this launch writes only the new keys' slots, which it never reads back).
+    seq, q_start, q_len, ctx_len = _locate_tile(cu_seqlens_ptr, context_lens_ptr, tile, num_seqs, BLOCK_Q,
+                                                SEARCH_BLOCK)
     owned = seq < num_seqs
-    # issued together: one memory round trip for all the tile needs to know about its sequence
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1, mask=owned, other=0) - q_start
-    ctx_len = tl.load(context_lens_ptr + seq, mask=owned, other=0)
-    pdl.wait(PDL)  # everything below reads activations or writes (kernels/pdl.py)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows % GROUP_PAD
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
+    q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    token = q_first + rows // GROUP_PAD
+    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP) & owned
+    q_rows = (q_start + token).to(tl.int64)
+    cache_head = cache_ptr + kv_head * stride_ch
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    kv_lo, kv_hi, active = _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS,
+                                       HAS_WINDOW)
+    # the split with the fewest keys writes the tile's new K/V, once
+    writes_new_kv = row_ok & (rows % GROUP_PAD == 0) & (split == NUM_SPLITS - 1)
+    slot = tl.load(slot_ptr + q_rows, mask=writes_new_kv, other=-1)
+    if PRELOAD_KV:  # the split's first block of pooled keys: its table entry and its K/V rows
+        first_keys = kv_lo + tl.arange(0, BLOCK_N)
+        first_ok = (first_keys < tl.minimum(kv_hi, ctx_len)) & owned & (q_first < q_len)
+        first_k, first_v = _load_key_block(
+            first_keys, first_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_ptr, v_ptr, 0,
+            stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM)
+    pdl.wait(PDL)  # everything below reads activations or writes (kernels/pdl.py)
+    if TRIGGER == AFTER_WAIT:  # (AFTER_LOOP: at the program's exit)
+        pdl.allow_dependents(PDL)
+
     if seq >= num_seqs:  # a padding tile: q_start is cu_seqlens[B], the first padding token
         if split == 0:
             token = ((tile - num_seqs) * BLOCK_Q + rows // GROUP_PAD).to(tl.int64)
@@ -99,36 +121,49 @@ def _paged_attention_kernel(
             tl.store(dst, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
                      mask=pad_ok[:, None] & dim_ok[None, :])
         return
-    q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if q_first >= q_len:
         return
 
-    token = q_first + rows // GROUP_PAD
-    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP)
-    q_rows = (q_start + token).to(tl.int64)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
-    cache_head = cache_ptr + kv_head * stride_ch
-    if split == NUM_SPLITS - 1:  # the split with the fewest keys writes the tile's new K/V, once
-        _write_new_kv(k_head, v_head, slot_ptr, cache_head, q_rows, row_ok & (rows % GROUP_PAD == 0),
-                      stride_kt, stride_vt, stride_cb, stride_cs, stride_ckv, dims, dim_ok, cos_ptr, sin_ptr,
-                      stride_rt, PAGE_SIZE, ROPE, ROT_DIM)
+    if split == NUM_SPLITS - 1:
+        _write_new_kv(k_head, v_head, slot, cache_head, q_rows, stride_kt, stride_vt, stride_cb, stride_cs,
+                      stride_ckv, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, ROPE, ROT_DIM)
+    if split >= active:  # no key of this tile falls to this split: it takes no part in the merge
+        return
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if ROPE != ROPE_NONE:
         q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
                      stride_rt, ROPE, ROT_DIM, False)
+    pos = ctx_len + token
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        if split == 0:  # the sink is one virtual key: counted once, in the first split
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cached_lo = kv_lo
+    if PRELOAD_KV:  # first, so that its registers are free for the rest
+        cached_lo = kv_lo + BLOCK_N
+        if kv_lo < tl.minimum(kv_hi, ctx_len):
+            acc, m_i, l_i = _softmax_step(q, first_k, first_v, acc, m_i, l_i, first_keys, first_ok, pos, scale,
+                                          softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
+                                          MASK_FULL if HAS_WINDOW else MASK_TAIL)
     acc, m_i, l_i = _attend_tile(
-        q, head, row_ok, ctx_len + token, q_first, q_len, ctx_len, q_start, split,
-        block_table_ptr + seq.to(tl.int64) * stride_bt, cache_head, stride_cb, stride_cs, stride_ckv,
-        k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
+        q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, kv_hi,
+        table, cache_head, stride_cb, stride_cs, stride_ckv,
+        k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         cos_ptr, sin_ptr, stride_rt,
-        BLOCK_M, BLOCK_D, BLOCK_Q, BLOCK_N, PAGE_SIZE, NUM_SPLITS, HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS,
+        BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP,
         DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N)
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
+        _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
+    elif active == 1:  # a context short enough for one split: nothing to merge
         _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
     else:
         _store_rows(part_out_ptr + split * stride_ps, q_rows, head, dims, stride_pt, stride_ph, store_mask,
@@ -137,10 +172,20 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
         counter = counters_ptr + tile * tl.num_programs(1) + kv_head
         arrived = _arrive(counter)
-        if arrived == NUM_SPLITS - 1:  # the last split of this tile to arrive merges, then resets
-            merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
-                                   stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, SPLITS_PAD)
-            _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, merged)
+        if arrived == active - 1:  # the last split of this tile to arrive merges, then resets
+            if q_len - q_first == 1:  # one query token (decodes): its GROUP rows, every split in one load
+                token_out = _merge_token(part_out_ptr, part_lse_ptr, q_start + q_first, kv_head * GROUP, active,
+                                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS_PAD)
+                group_rows = tl.arange(0, GROUP_PAD)
+                dst = (out_ptr + (q_start + q_first).to(tl.int64) * stride_ot
+                       + (kv_head * GROUP + group_rows)[:, None] * stride_oh + dims[None, :])
+                tl.store(dst, token_out.to(out_ptr.dtype.element_ty),
+                         mask=(group_rows < GROUP)[:, None] & dim_ok[None, :])
+            else:
+                merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
+                                       stride_pt, stride_ph, stride_ls, stride_lt, active, SPLITS_PAD)
+                _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, merged)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -152,39 +197,40 @@ def _store_rows(dst_ptr, token, head, dims, stride_t, stride_h, mask, values):
 
 
 @triton.jit
-def _attend_tile(
-    q, head, row_ok, pos, q_first, q_len, ctx_len, q_start, split, table, cache_head, stride_cb, stride_cs,
-    stride_ckv, k_head, v_head, stride_kt, stride_vt, sinks_ptr, dims, dim_ok, scale, softcap, window,
-    cos_ptr, sin_ptr, stride_rt,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr,
-    ROT_DIM: tl.constexpr, DIAG_BLOCK_N: tl.constexpr,
-):
-    """Unnormalised output, running max and sum (log2 domain) of one tile over this split's keys."""
-    # keys visible to some row of this tile, then this split's share of them
+def _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[kv_lo, kv_hi): this split's share of the keys visible to some row of the tile, in whole
+    blocks, and ``active``: how many splits have a share (the later ones have none)."""
     kv_hi = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len)
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(ctx_len + q_first - window + 1, 0)
+    active = 1
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        active = tl.maximum(tl.cdiv(kv_hi - kv_lo, tl.maximum(per_split, 1)), 1)
         kv_lo = kv_lo + split * per_split
         kv_hi = tl.minimum(kv_hi, kv_lo + per_split)
+    return kv_lo, kv_hi, active
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_SINKS:
-        if split == 0:  # the sink is one virtual key: counted once, in the first split
-            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, kv_hi, table, cache_head,
+    stride_cb, stride_cs, stride_ckv, k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+    cos_ptr, sin_ptr, stride_rt,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr,
+):
+    """acc/m_i/l_i (unnormalised output, running max and sum, log2 domain) of one tile updated with the
+    split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended)."""
     new_row0 = q_start - ctx_len  # input row of key j: q_start + j - ctx_len
     # The step's new keys [new_lo, kv_hi) first, from the inputs: whole blocks every row sees
     # (unmasked; only worth a loop of its own when tiles have many new keys), then the diagonal.
-    # They come first because their loads need no block table: a decode's single new-key block is
-    # fetched in the same round trip as q. Then the cached keys [kv_lo, ctx_len), from the pool,
-    # masked only past their end (and outside a window).
+    # Their loads need no block table: a decode's single new-key block is fetched in the same
+    # round trip as q. Then the cached keys [cached_lo, ctx_len), from the pool, masked only past
+    # their end (and outside a window).
     new_lo = tl.maximum(kv_lo, ctx_len)
     diag_lo = new_lo
     if SPLIT_NEW_KEYS and not HAS_WINDOW:
@@ -203,7 +249,7 @@ def _attend_tile(
     cached_hi = tl.minimum(kv_hi, ctx_len)
     CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, kv_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
+        q, acc, m_i, l_i, cached_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
         stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True,
         CACHED_MASK, ROPE_NONE, ROT_DIM)  # pooled keys were rotated before they were cached
@@ -286,7 +332,8 @@ def paged_attention_fwd(
         SPLITS_PAD=triton.next_power_of_2(launch.num_splits), SEARCH_BLOCK=SEARCH_BLOCK,
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
-        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
+        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n, PRELOAD_KV=launch.decode and launch.preload_kv,
+        TRIGGER=int(launch.trigger),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )

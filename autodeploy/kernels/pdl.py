@@ -27,10 +27,20 @@ from __future__ import annotations
 
 import functools
 import os
+from enum import IntEnum
 
 import torch
 import triton
 import triton.language as tl
+
+
+class Trigger(IntEnum):
+    """Where a program lets the next kernel launch (the next kernel launches once every program of
+    this one got there or exited)."""
+
+    START = 0  # before the wait: the next kernel may launch before this one's inputs are ready
+    AFTER_WAIT = 1  # after the wait: at most one kernel ahead waits for SM slots
+    AFTER_LOOP = 2  # after the main loop (GEMV: the weight loop; attention: at exit): only the ends overlap
 
 
 @functools.cache

@@ -76,6 +76,30 @@ def test_decode_splits_some_with_no_keys(splits):
     _compare(seqs, 8, 2, 16, torch.float32, AttentionLaunch(16, 16, splits, decode=True), page=8, sinks=True)
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["first-block-before-wait", "all-blocks-after-wait"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_and_without_the_preloaded_key_block(preload, splits):
+    """Decode launches load each split's first pooled block before the PDL wait and attend to it before
+    the new keys: same result as the plain loop order, with a window (the first block partly outside
+    it), a softcap, sinks, a context shorter than one block and a sequence with no pooled key."""
+    seqs = [(37, 1), (2, 1), (16, 1), (0, 1), (63, 1), (20, 3)]
+    launch = AttentionLaunch(16, 16, splits, decode=True, preload_kv=preload)
+    _compare(seqs, 8, 2, 16, torch.float32, launch, page=4)
+    _compare(seqs, 8, 2, 16, torch.float32, launch, page=8, window=9, softcap=3.0, sinks=True)
+
+
+@pytest.mark.parametrize("search_block", [2, 4, 16])
+def test_tiles_find_their_sequence_past_one_search_block(monkeypatch, search_block):
+    """A tile counts the sequences before it in blocks of SEARCH_BLOCK; under one block the lengths come
+    from the same loads, from one block on they are loaded again. Both, with padding tiles."""
+    import autodeploy.kernels.paged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SEARCH_BLOCK", search_block)
+    seqs = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0), (9, 1), (2, 5)]
+    _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2, decode=True, preload_kv=True), pad_tokens=3)
+    _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(32, 8, 1), pad_tokens=5)
+
+
 def test_consecutive_launches_leave_the_split_counters_at_zero():
     """The last split to arrive resets its counter, so a second launch (or graph replay) merges right."""
     launch = AttentionLaunch(16, 16, 4, decode=True)
@@ -125,7 +149,7 @@ def test_default_launch_choice():
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 8  # 12 wanted, a power of two
     assert AttentionLaunch.choose(250 + 256, 252, 32, 8, 128, 4096, cpu).decode  # decodes + 2 prompt chunks
     assert not AttentionLaunch.choose(5 * 64, 64, 32, 8, 128, 4096, cpu).decode
-    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 2  # >= 128 keys per split
+    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 4  # >= 64 keys per split
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
 
 
@@ -139,10 +163,10 @@ def test_fp32_prefill_tiles_fit_shared_memory():
     assert AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, cpu, element_size=4).block_n == 64  # decode: 78 KB
 
 
-@pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 4), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
+@pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 8), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
                                                 (8, 4096, 4), (64, 4096, 1), (256, 4096, 1)])
 def test_decode_splits_on_an_h200(monkeypatch, seqs, keys, splits):
-    """The split counts the H200 sweep measured fastest (attention_config's comment) for 32/8 heads."""
+    """The split counts the H200 measured fastest (attention_config's comment) for 32/8 heads."""
     import autodeploy.kernels.attention_config as config
 
     monkeypatch.setattr(config, "_sm_count_of", lambda device: 132)
