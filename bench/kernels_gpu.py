@@ -50,6 +50,7 @@ from gpu_harness import (  # noqa: E402  (this folder)
 
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
 from autodeploy.kernels.activation import act_mul  # noqa: E402
+from autodeploy.kernels.argmax import argmax_rows  # noqa: E402
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 from autodeploy.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
@@ -89,6 +90,16 @@ def bench_act_mul(report: Report) -> None:
         err = rel_err(act_mul(*halves[0]), ref(0)())
         report.add(timed(Row(f"silu*mul T={tokens} I={INTER}", err),
                          lambda i: lambda: act_mul(*halves[i]), ref, 3 * 2 * tokens * INTER))
+
+
+def bench_argmax(report: Report) -> None:
+    """Greedy sampling's argmax over the 8B vocabulary (128256) in bf16; check: share of rows that differ
+    from torch.argmax (0 passes)."""
+    for rows in (1, 64, 256):
+        logits = [torch.randn(rows, 128256, device=DEV, dtype=BF16) for _ in range(sets_for(2 * rows * 128256))]
+        err = float((argmax_rows(logits[0]) != logits[0].argmax(dim=-1)).float().mean())
+        report.add(timed(Row(f"argmax {rows}x128256", err), lambda i: lambda: argmax_rows(logits[i]),
+                         lambda i: lambda: logits[i].argmax(dim=-1), 2 * rows * 128256))
 
 
 def bench_rope(report: Report) -> None:
@@ -332,6 +343,7 @@ def main() -> int:
         return 0 if all(r.ok for r in report.rows) else 1
     bench_norms(report)
     bench_act_mul(report)
+    bench_argmax(report)
     bench_rope(report)
     check_attention_features(report)
     check_split_merge_replays(report)

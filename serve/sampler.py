@@ -18,7 +18,15 @@ from typing import Sequence as Seq
 
 import torch
 
+from autodeploy.kernels.argmax import argmax_rows
+
 from .sequence import Sequence
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V]: on CUDA the two-pass Triton argmax (torch reduces a row in
+    one thread block: 36 us for one 128k-vocabulary row on an H200), torch's elsewhere."""
+    return argmax_rows(logits) if logits.is_cuda else logits.argmax(dim=-1)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -60,15 +68,15 @@ class Sampler:
         """Token ids ``[B]`` (and log-probabilities if any row wants them), still on the device."""
         params = [s.params for s in seqs]
         if all(p.greedy and p.logprobs is None and not p.uses_penalties and not p.min_tokens for p in params):
-            # the common case, kept to one kernel: argmax of the model's dtype (exact in fp32 too)
-            return {"token_ids": logits.argmax(dim=-1)}
+            # the common case, kept to the argmax alone, in the model's dtype (exact in fp32 too)
+            return {"token_ids": greedy_ids(logits)}
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, seqs)
         if any(p.min_tokens for p in params):
             logits = self._mask_early_stops(logits, seqs)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_ids(logits)
         if not all(p.greedy for p in params):
             token_ids = torch.where(
                 to_device([p.greedy for p in params], torch.bool, self.device), token_ids, self._draw(logits, seqs)
@@ -94,7 +102,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[row].exponential_(generator=seq.generator)
-        return (probs / noise).argmax(dim=-1)
+        return greedy_ids(probs / noise)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
