@@ -80,6 +80,12 @@ for s in "$@"; do
     profile_b1) section profile_b1 150 python3 bench/profile_step.py --shape llama8b --batches 1 --engine ;;
     profile_large) section profile_large 200 python3 bench/profile_step.py --shape llama8b --batches 480 --context 192 --engine ;;
     serving) config_dir 8b; serving ;;
+    layer_chain) section layer_chain 200 python3 bench/layer_chain.py ;;  # the attention's cost between the GEMVs
+    preload_ab)  # batch 1: the attention's first key block before the PDL wait (default) against after it
+      section preload_ab_on 180 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1 \
+          --json "$OUT/preload_ab_on.json"
+      section preload_ab_off 180 env AUTODEPLOY_ATTN_PRELOAD_KV=0 python3 bench/decode_bench.py \
+          --impls autodeploy,engine --batches 1 --label _no_preload --json "$OUT/preload_ab_off.json" ;;
     profile) section profile_8b 150 python3 bench/profile_step.py --shape llama8b --batches 1,64 --engine
              section profile_smollm2 120 python3 bench/profile_step.py --shape smollm2 --batches 1,64 ;;
   esac

@@ -41,3 +41,25 @@ def test_gemv_chain_variants_compute_the_same_step():
         got = gemv_gpu.step(layers, x, res, variant, None)
         for g, t in zip(got, want):
             torch.testing.assert_close(g, t, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_chain_variants_compute_the_same_step():
+    """layer_chain's attention variants (splits, first key block preloaded or not) give the same step,
+    and the attention changes it (the chain without it is a different computation)."""
+    import layer_chain
+
+    shape = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, inter=48, layers=2)
+    torch.manual_seed(0)
+    layers, step = layer_chain.make_layers(shape, context=21, device="cpu", dtype=torch.float32)
+    x, res = torch.randn(1, 32), torch.randn(1, 32)
+    outs = {name: layer_chain.decode_step(layers, step, shape, x, res, launch)
+            for name, launch in layer_chain.variants(shape, device="cpu")
+            if not isinstance(launch, layer_chain.AttentionLaunch) or launch.num_warps == 4}
+    without = outs.pop("linears only")
+    torch.testing.assert_close(outs.pop("copy kernel"), without, atol=0, rtol=0)
+    first = next(iter(outs.values()))
+    assert len(outs) >= 4 and not torch.allclose(without, first, atol=1e-3)
+    for got in outs.values():
+        torch.testing.assert_close(got, first, atol=1e-4, rtol=1e-4)
+    for _, launch in layer_chain.variants(shape, device="cpu")[2:5]:
+        assert layer_chain.check_attention(layers[0], step, shape, launch) < 1e-5
