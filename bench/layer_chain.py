@@ -113,7 +113,7 @@ def copy_rows(x: torch.Tensor) -> torch.Tensor:
 def decode_step(layers: list[Layer], step: Step, shape: dict, x: torch.Tensor, res: torch.Tensor,
                 launch: AttentionLaunch | str | None) -> torch.Tensor:
     """One row through every layer; ``launch`` None leaves the attention out, COPY puts a copy in its place."""
-    heads, kv, d, inter = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    heads, kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     for layer in layers:
         qkv, res = gemv(x, layer.qkv, prologue=Prologue.ADD_RMS_NORM, residual=res, norm_weight=layer.norm_in,
                         eps=1e-5)
@@ -174,13 +174,13 @@ def chain(name: str, shape: dict, context: int) -> list[str]:
         if isinstance(launch, AttentionLaunch):
             err = check_attention(layers[0], step, shape, launch)
             check = f"  check {err:.1e} {'ok' if err < BF16_TOL else 'FAIL'}"
-        us = graph_us([lambda: decode_step(layers, step, shape, x, res, launch)], reps=20)
+        us = graph_us([lambda launch=launch: decode_step(layers, step, shape, x, res, launch)], reps=20)
         base_us = us if launch is None else base_us
         extra = (us - base_us) / shape["layers"]
         lines.append(f"  {label:<42}{us / 1e3:>8.3f} ms {us / shape['layers']:>7.2f} us/layer"
                      f"{'' if launch is None else f'  attention +{extra:5.2f} us/layer'}{check}")
         print(lines[-1], flush=True)
-    del layers
+    layers.clear()  # free this shape's weights and pools before the next shape
     torch.cuda.empty_cache()
     return lines
 

@@ -43,8 +43,8 @@ from . import pdl
 from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
-    LOG2E, MASK_FULL, MASK_NONE, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_range,
-    _load_key_block, _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _write_new_kv,
+    LOG2E, MASK_FULL, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_tile, _load_key_block,
+    _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _split_keys, _write_new_kv,
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
@@ -194,66 +194,6 @@ def _store_rows(dst_ptr, token, head, dims, stride_t, stride_h, mask, values):
     """values [BLOCK_M, BLOCK_D] into rows (token, head) of a [T, H, D]-strided tensor, in its dtype."""
     dst = dst_ptr + token[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
     tl.store(dst, values.to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """[kv_lo, kv_hi): this split's share of the keys visible to some row of the tile, in whole
-    blocks, and ``active``: how many splits have a share (the later ones have none)."""
-    kv_hi = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(ctx_len + q_first - window + 1, 0)
-    active = 1
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        active = tl.maximum(tl.cdiv(kv_hi - kv_lo, tl.maximum(per_split, 1)), 1)
-        kv_lo = kv_lo + split * per_split
-        kv_hi = tl.minimum(kv_hi, kv_lo + per_split)
-    return kv_lo, kv_hi, active
-
-
-@triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, kv_hi, table, cache_head,
-    stride_cb, stride_cs, stride_ckv, k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-    cos_ptr, sin_ptr, stride_rt,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr,
-):
-    """acc/m_i/l_i (unnormalised output, running max and sum, log2 domain) of one tile updated with the
-    split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended)."""
-    new_row0 = q_start - ctx_len  # input row of key j: q_start + j - ctx_len
-    # The step's new keys [new_lo, kv_hi) first, from the inputs: whole blocks every row sees
-    # (unmasked; only worth a loop of its own when tiles have many new keys), then the diagonal.
-    # Their loads need no block table: a decode's single new-key block is fetched in the same
-    # round trip as q. Then the cached keys [cached_lo, ctx_len), from the pool, masked only past
-    # their end (and outside a window).
-    new_lo = tl.maximum(kv_lo, ctx_len)
-    diag_lo = new_lo
-    if SPLIT_NEW_KEYS and not HAS_WINDOW:
-        seen_by_all = tl.minimum(kv_hi, ctx_len + q_first + 1)
-        diag_lo = new_lo + tl.maximum(seen_by_all - new_lo, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _attend_range(
-            q, acc, m_i, l_i, new_lo, diag_lo, kv_hi, pos, table, cache_head, stride_cb, stride_cs,
-            stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-            cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
-            MASK_NONE, ROPE, ROT_DIM)
-    acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, diag_lo, kv_hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
-        k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
-        MASK_FULL, ROPE, ROT_DIM)
-    cached_hi = tl.minimum(kv_hi, ctx_len)
-    CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
-    acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, cached_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
-        stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True,
-        CACHED_MASK, ROPE_NONE, ROT_DIM)  # pooled keys were rotated before they were cached
-    return acc, m_i, l_i
 
 
 @triton.jit
