@@ -11,7 +11,9 @@ and KV pools per layer; LM head and sampling left out. Variants:
 - ``attention sN``: N flash-decoding splits, ``+preload``: each split's first block of pooled keys
   loaded before the PDL wait (``AttentionLaunch.preload_kv``);
 - the default launch without the preload, with the next kernel's launch allowed after the wait
-  instead of at the start (``AttentionLaunch.trigger``), with blocks of 64 keys.
+  instead of at the start (``AttentionLaunch.trigger``), with blocks of 64 keys;
+- ``qkv 8 x 1024``: the qkv GEMV in one wave of larger tiles (its own linears-only baseline), to
+  see whether the attention gains from SM slots left free during the qkv GEMV's tail.
 
 The attention's cost in the chain is (variant - linears only) / layers: its own latency plus the two
 hand-offs it adds, which a standalone kernel timing leaves out. Each attention variant is first checked
@@ -40,7 +42,7 @@ from gpu_harness import BF16_TOL, DEV, graph_us, rel_err  # noqa: E402  (this fo
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 from autodeploy.kernels import pdl  # noqa: E402
-from autodeploy.kernels.gemv import Prologue, gemv  # noqa: E402
+from autodeploy.kernels.gemv import GemvLaunch, Prologue, gemv  # noqa: E402
 from autodeploy.kernels.pdl import Trigger  # noqa: E402
 from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
 
@@ -111,12 +113,13 @@ def copy_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_step(layers: list[Layer], step: Step, shape: dict, x: torch.Tensor, res: torch.Tensor,
-                launch: AttentionLaunch | str | None) -> torch.Tensor:
-    """One row through every layer; ``launch`` None leaves the attention out, COPY puts a copy in its place."""
+                launch: AttentionLaunch | str | None, qkv_launch: GemvLaunch | None = None) -> torch.Tensor:
+    """One row through every layer; ``launch`` None leaves the attention out, COPY puts a copy in its place;
+    ``qkv_launch`` overrides the qkv GEMV's launch."""
     heads, kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     for layer in layers:
         qkv, res = gemv(x, layer.qkv, prologue=Prologue.ADD_RMS_NORM, residual=res, norm_weight=layer.norm_in,
-                        eps=1e-5)
+                        eps=1e-5, launch=qkv_launch)
         if launch is None:
             attn = qkv[:, :heads * d]
         elif launch == COPY:
@@ -135,17 +138,24 @@ def decode_step(layers: list[Layer], step: Step, shape: dict, x: torch.Tensor, r
     return x
 
 
-def variants(shape: dict, device=DEV) -> list[tuple[str, AttentionLaunch | str | None]]:
+Variant = tuple[str, "AttentionLaunch | str | None", "GemvLaunch | None"]  # label, attention, qkv GEMV
+
+
+def variants(shape: dict, device=DEV) -> list[Variant]:
     default = AttentionLaunch.choose(1, 1, shape["heads"], shape["kv_heads"], shape["head_dim"], MAX_SEQ_LEN,
                                      torch.device(device))
-    out = [("linears only", None), ("copy kernel", COPY), (f"attention default (s{default.num_splits}, preload {default.preload_kv})",
-                                     default)]
+    out = [("linears only", None, None), ("copy kernel", COPY, None),
+           (f"attention default (s{default.num_splits}, preload {default.preload_kv})", default, None)]
     for splits in (8, 16, 32):
-        out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True)))
-    out.append(("default, no preload", replace(default, preload_kv=False)))
-    out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT)))
-    out.append(("default, 64 keys per block", replace(default, block_n=64)))
-    out.append(("default, 64 keys per block, no preload", replace(default, block_n=64, preload_kv=False)))
+        out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True), None))
+    out.append(("default, no preload", replace(default, preload_kv=False), None))
+    out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT), None))
+    out.append(("default, 64 keys per block", replace(default, block_n=64), None))
+    # The qkv GEMV in 8 x 1024 tiles: half the programs, one wave (8B: 768 programs, 7 per SM), so SM
+    # slots are free for the attention's programs to start their pre-wait work during its tail.
+    qkv_tiles = replace(GemvLaunch.choose(1, 1024), block_n=8, block_k=1024)
+    out.append(("linears only, qkv 8 x 1024", None, qkv_tiles))
+    out.append(("default, qkv 8 x 1024", default, qkv_tiles))
     return out
 
 
@@ -168,15 +178,16 @@ def chain(name: str, shape: dict, context: int) -> list[str]:
     torch.manual_seed(1)
     x = torch.randn(1, shape["hidden"], device=DEV, dtype=BF16)
     res = torch.randn_like(x)
-    lines, base_us = [f"{name}: {shape['layers']} layers, batch 1, context {context}"], None
-    for label, launch in variants(shape):
+    lines, base_us = [f"{name}: {shape['layers']} layers, batch 1, context {context}"], {}
+    for label, launch, qkv_launch in variants(shape):
         check = ""
         if isinstance(launch, AttentionLaunch):
             err = check_attention(layers[0], step, shape, launch)
             check = f"  check {err:.1e} {'ok' if err < BF16_TOL else 'FAIL'}"
-        us = graph_us([lambda launch=launch: decode_step(layers, step, shape, x, res, launch)], reps=20)
-        base_us = us if launch is None else base_us
-        extra = (us - base_us) / shape["layers"]
+        us = graph_us([lambda a=launch, g=qkv_launch: decode_step(layers, step, shape, x, res, a, g)], reps=20)
+        if launch is None:  # the baseline of the variants with the same qkv GEMV
+            base_us[qkv_launch] = us
+        extra = (us - base_us[qkv_launch]) / shape["layers"]
         lines.append(f"  {label:<42}{us / 1e3:>8.3f} ms {us / shape['layers']:>7.2f} us/layer"
                      f"{'' if launch is None else f'  attention +{extra:5.2f} us/layer'}{check}")
         print(lines[-1], flush=True)
