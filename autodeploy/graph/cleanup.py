@@ -1,7 +1,7 @@
 """Graph normalisation shared by model graphs and pattern graphs.
 
 Removes what export leaves behind that carries no computation (tensor-metadata asserts, symbolic
-range constraints, inference-mode dropout, full slices, ``* 1`` / ``+ 0``), turns in-place
+range constraints, inference-mode dropout, full slices, ``* 1`` / ``+ 0``, ``detach``), turns in-place
 arithmetic that nobody else can observe into its out-of-place op (``scores /= d`` and
 ``scores = scores / d`` are then one spelling for the matcher), then removes dead code. Such no-ops
 sit between the ops of otherwise matching patterns (``x[:, :, None, :, :]`` exports as unsqueeze +
@@ -62,6 +62,12 @@ def _is_noop_dropout(node: fx.Node) -> bool:
     return p == 0.0 or not train
 
 
+# autograd bookkeeping only: the value is its input's. An unused in-place ``detach_`` (HF models'
+# ``torch.tensor(...)`` in forward exports as lift_fresh_copy + detach_) would otherwise keep a copy
+# of a constant alive in every step: FX never removes an in-place op as dead code.
+_DETACH = {aten.detach.default, aten.detach_.default}
+
+
 def _is_noop_slice(node: fx.Node) -> bool:
     """``x[..., 0:]`` (start 0, end past the end, step 1): the identity."""
     if node.target != aten.slice.Tensor:
@@ -84,7 +90,7 @@ def _is_noop_arith(node: fx.Node) -> bool:
 
 
 def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop asserts and no-op dropouts/slices/arithmetic, make private in-place arithmetic
+    """Drop asserts, detaches and no-op dropouts/slices/arithmetic, make private in-place arithmetic
     out-of-place, eliminate dead code, lint and recompile."""
     graph = gm.graph
     for node in list(graph.nodes):
@@ -92,7 +98,7 @@ def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.target in _ASSERT_TARGETS:
             graph.erase_node(node)
-        elif _is_noop_dropout(node) or _is_noop_slice(node) or _is_noop_arith(node):
+        elif node.target in _DETACH or _is_noop_dropout(node) or _is_noop_slice(node) or _is_noop_arith(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
         elif node.target in _INPLACE_ARITHMETIC and _mutation_is_private(node):

@@ -1,4 +1,5 @@
-"""cleanup_graph turns in-place arithmetic nobody else observes into its out-of-place op."""
+"""cleanup_graph turns in-place arithmetic nobody else observes into its out-of-place op, and drops
+detaches (and the constant copies only they kept alive)."""
 
 import torch
 
@@ -53,3 +54,21 @@ def test_inplace_on_a_value_read_elsewhere_is_kept():
 def test_inplace_through_a_view_is_kept():
     targets = _check(MutatesThroughAView(), torch.randn(3, 4), torch.randn(5, 4))
     assert aten.mul_.Tensor in targets
+
+
+class TensorConstantInForward(torch.nn.Module):
+    """``torch.tensor`` in forward exports as lift_fresh_copy (+ detach_ when detached in place)."""
+
+    def forward(self, x):
+        unused = torch.tensor([0.5, 2.0])
+        unused.detach_()
+        scale = torch.tensor(3.0).detach()
+        return x * scale
+
+
+def test_detaches_and_the_constant_copies_they_kept_are_dropped():
+    x = torch.randn(3, 4)
+    gm = export_for_test(TensorConstantInForward(), (x,))
+    torch.testing.assert_close(gm(x), TensorConstantInForward()(x))
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops == [aten.lift_fresh_copy.default, aten.mul.Tensor]  # the unused constant's copy is gone
