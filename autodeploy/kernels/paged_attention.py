@@ -17,9 +17,15 @@ can be captured in a CUDA graph):
   inputs (row ``cu_seqlens[b] + j - context_lens[b]`` for position ``j``). One program per (tile,
   KV head), the last split, writes the tile's new K/V into the pool at ``slot_mapping`` (-1 = skip).
   Nobody reads a pool slot written in the same launch: no race, no second kernel;
-- ``num_splits > 1`` is flash-decoding: each split walks one contiguous segment of the visible keys
+- ``num_splits > 1`` is flash-decoding: each split walks one contiguous segment of whole key blocks
   and writes a partial output and its log2-sum-exp; the split that arrives last at its tile's
-  counter merges them into ``out`` (see ``_merge_splits``), so there is no combine kernel either.
+  counter merges them into ``out``, so there is no combine kernel either. Splits past the tile's
+  keys (short contexts) take no part; one split with keys stores straight to ``out``; a tile of one
+  query token (decodes) merges its group's rows of all splits in one load (``_merge_token``).
+- before the PDL wait a program reads only what no kernel of the step writes: the metadata (its
+  sequence and lengths, in one round trip under ``SEARCH_BLOCK`` sequences), the new key's slot
+  and, in grids that do not fill the GPU (``AttentionLaunch.preload_kv``), its first block of
+  pooled keys;
 - with a fused rotary embedding (``ROPE``, from ``fuse_rope_attention``), q is rotated when its tile
   is loaded and every new key when it is loaded from the inputs, for attention and for the cache
   write alike (pooled keys were rotated when they were written); decode launches walk the new keys

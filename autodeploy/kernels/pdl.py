@@ -4,12 +4,13 @@ On sm_90+ a launch with the programmatic-serialization attribute may begin once 
 the previous kernel has called ``griddepcontrol.launch_dependents`` (or exited). Its programs must
 execute ``griddepcontrol.wait`` before they read anything an earlier kernel wrote: the wait returns
 when the previous grid has completed and its memory is visible. What may come before the wait is
-what no kernel of the step writes: weights, and the step's metadata, which one host-to-device copy
+what no kernel of the step writes: weights; the step's metadata, which one host-to-device copy
 puts in place before the step's first kernel (a copy is never launched early, and every later
-kernel starts after it). In a decode step of a few tokens, where a kernel streams its weights in a
-few microseconds, this hides the launch and ramp of one kernel behind the tail of the one before it
-(the GEMV loads its first weight tile, the attention finds its sequence); CUDA graphs keep the
-attribute as programmatic edges.
+kernel starts after it); and the KV pool below each sequence's context length, written by earlier
+steps (a step writes only its new keys' slots). In a decode step of a few tokens, where a kernel
+streams its weights in a few microseconds, this hides the launch and ramp of one kernel behind the
+tail of the one before it (the GEMV loads its first weight tile, the attention finds its sequence
+and loads its first block of cached keys); CUDA graphs keep the attribute as programmatic edges.
 
 The contract every kernel launched with :func:`launch_options` keeps:
 
