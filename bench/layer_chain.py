@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from gemv_gpu import Layer as LinearLayer  # noqa: E402  (this folder)
 from gpu_harness import BF16_TOL, DEV, graph_us, rel_err  # noqa: E402  (this folder)
 
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
@@ -54,14 +55,10 @@ SHAPES = {"llama8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter
 
 
 @dataclass
-class Layer:
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    norm_in: torch.Tensor
-    norm_post: torch.Tensor
-    cache: torch.Tensor  # [blocks, 2, PAGE, kv_heads, head_dim]
+class Layer(LinearLayer):
+    """gemv_gpu's linear weights of one layer, and its KV pool."""
+
+    cache: torch.Tensor | None = None  # [blocks, 2, PAGE, kv_heads, head_dim]
 
 
 @dataclass(frozen=True)
