@@ -121,6 +121,8 @@ def _attention(dtype="bf16", **overrides):
     # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
     const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
+    const.setdefault("TOKEN_MERGE", paged_attention._token_merge_fits(const["NUM_SPLITS"], const["GROUP"],
+                                                                      const["HEAD_DIM"]))
     return paged_attention._paged_attention_kernel, pointers, const
 
 
@@ -158,6 +160,8 @@ def variants():
     yield ("attn decode gqa4 d128 (split 4)", *_attention(), 4, 2)
     yield ("attn decode gqa4 d128 (no split)", *_attention(NUM_SPLITS=1), 4, 2)
     yield ("attn decode mha d128", *_attention(GROUP=1, GROUP_PAD=1, BLOCK_Q=16), 4, 2)
+    yield ("attn decode mqa group 32 d128 (split 16)", *_attention(GROUP=32, GROUP_PAD=32, BLOCK_Q=1,
+                                                                   NUM_SPLITS=16), 4, 2)
     prefill = dict(NUM_SPLITS=1, SPLIT_NEW_KEYS=True)
     yield ("attn prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill), 8, 2)
     yield ("attn prefill gqa3 d64 window+softcap+sinks", *_attention(GROUP=3, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64,

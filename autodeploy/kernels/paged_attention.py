@@ -54,6 +54,9 @@ from .paged_attention_blocks import (
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
+# _merge_token holds splits x group x head dim fp32 values at once: up to 64 per thread of a 4-warp
+# program (8B: 16 x 4 x 128, SmolLM2: 32 x 4 x 64). Larger groups (MQA) merge split by split.
+MAX_TOKEN_MERGE = 8192
 START, AFTER_WAIT = tl.constexpr(Trigger.START.value), tl.constexpr(Trigger.AFTER_WAIT.value)
 
 # Decode launches with a fused rotary embedding (see rope_decode_tuning)
@@ -76,7 +79,7 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKEN_MERGE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
     DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
@@ -179,7 +182,10 @@ def _paged_attention_kernel(
         counter = counters_ptr + tile * tl.num_programs(1) + kv_head
         arrived = _arrive(counter)
         if arrived == active - 1:  # the last split of this tile to arrive merges, then resets
-            if q_len - q_first == 1:  # one query token (decodes): its GROUP rows, every split in one load
+            one_token = False
+            if TOKEN_MERGE:  # all splits of a group in registers at once (see MAX_TOKEN_MERGE)
+                one_token = q_len - q_first == 1
+            if one_token:  # one query token (decodes): its GROUP rows, every split in one load
                 token_out = _merge_token(part_out_ptr, part_lse_ptr, q_start + q_first, kv_head * GROUP, active,
                                          stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                                          GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS_PAD)
@@ -276,6 +282,7 @@ def paged_attention_fwd(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         PAGE_SIZE=kv_cache.shape[2], NUM_SPLITS=launch.num_splits,
         SPLITS_PAD=triton.next_power_of_2(launch.num_splits), SEARCH_BLOCK=SEARCH_BLOCK,
+        TOKEN_MERGE=_token_merge_fits(launch.num_splits, group, head_dim),
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n, PRELOAD_KV=launch.decode and launch.preload_kv,
@@ -284,6 +291,11 @@ def paged_attention_fwd(
         **pdl.launch_options(q.device),
     )
     return out
+
+
+def _token_merge_fits(num_splits: int, group: int, head_dim: int) -> bool:
+    pad = triton.next_power_of_2
+    return pad(num_splits) * pad(group) * max(16, pad(head_dim)) <= MAX_TOKEN_MERGE
 
 
 def rope_decode_tuning(block_n: int) -> tuple[int, dict]:

@@ -100,6 +100,17 @@ def test_tiles_find_their_sequence_past_one_search_block(monkeypatch, search_blo
     _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(32, 8, 1), pad_tokens=5)
 
 
+def test_decode_tokens_merge_split_by_split_when_a_group_is_too_large(monkeypatch):
+    """Past MAX_TOKEN_MERGE values (large MQA groups) a decode token's splits merge in the loop."""
+    import autodeploy.kernels.paged_attention as kernel
+
+    seqs = [(37, 1), (2, 1), (63, 1)]
+    assert kernel._token_merge_fits(4, 8, 16)
+    monkeypatch.setattr(kernel, "MAX_TOKEN_MERGE", 16)
+    assert not kernel._token_merge_fits(4, 8, 16)
+    _compare(seqs, 8, 1, 16, torch.float32, AttentionLaunch(16, 16, 4, decode=True, preload_kv=True), page=4)
+
+
 def test_consecutive_launches_leave_the_split_counters_at_zero():
     """The last split to arrive resets its counter, so a second launch (or graph replay) merges right."""
     launch = AttentionLaunch(16, 16, 4, decode=True)
