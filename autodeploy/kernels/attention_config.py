@@ -23,6 +23,8 @@ DECODE_TOKENS_PER_SEQ = 4  # at most this many tokens per sequence on average: t
 # 8 x 4096: 4 splits 61 us, 16 splits 69 us; 1 x 4096: 16 splits 25 us, 32 splits 29 us. At batch 1
 # between the GEMVs of a decode step (bench/layer_chain.py, 2026-12-03, 8B shape, 512 keys, splits
 # without keys skipping the merge): 4 splits 13.6 us per layer, 8: 11.5, 16: 11.8, 32: 15.8.
+# A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of
+# work: split only when the tiles cannot give every SM two programs.
 DECODE_PROGRAMS_PER_SM = 1.5
 PREFILL_PROGRAMS_PER_SM = 2
 CPU_TARGET_PROGRAMS = {True: 12, False: 2}  # decode / prefill under the interpreter: small tests still split
@@ -86,12 +88,14 @@ class AttentionLaunch:
         block_q = max(1, block_m // group_pad)
         tiles = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
         target = _target_programs(decode, device)
-        if decode and tiles < target:  # latency-bound: 8B batch 1 x 512 between the GEMVs, 10.4 vs 12.5 us
+        # A decode grid short of filling the GPU waits on latency: smaller key blocks (8B batch 1 x 512
+        # between the GEMVs: 10.4 vs 12.5 us), and the preload hides a round trip. In a full grid the
+        # preload's 30-40 extra registers cost occupancy; fp32 blocks spill (bench/compile_sm90.py).
+        latency_bound = decode and tiles < target
+        if latency_bound:
             block_n = min(block_n, 32)
         splits = _num_splits(tiles, max_kv_len, target)
-        # A grid short of filling the GPU waits on latency, which the preload hides. In a full one
-        # its 30-40 extra registers cost occupancy, and fp32 blocks spill (bench/compile_sm90.py).
-        preload = decode and tiles < target and element_size <= 2 and _preload_allowed()
+        preload = latency_bound and element_size <= 2 and _preload_allowed()
         return cls(block_m, block_n, splits, warps, stages, decode, preload)
 
 

@@ -112,9 +112,10 @@ def _paged_attention_kernel(
     # the split with the fewest keys writes the tile's new K/V, once
     writes_new_kv = row_ok & (rows % GROUP_PAD == 0) & (split == NUM_SPLITS - 1)
     slot = tl.load(slot_ptr + q_rows, mask=writes_new_kv, other=-1)
+    cached_hi = tl.minimum(kv_hi, ctx_len)  # the split's pooled keys are [kv_lo, cached_hi)
     if PRELOAD_KV:  # the split's first block of pooled keys: its table entry and its K/V rows
         first_keys = kv_lo + tl.arange(0, BLOCK_N)
-        first_ok = (first_keys < tl.minimum(kv_hi, ctx_len)) & owned & (q_first < q_len)
+        first_ok = (first_keys < cached_hi) & owned & (q_first < q_len)
         first_k, first_v = _load_key_block(
             first_keys, first_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_ptr, v_ptr, 0,
             stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM)
@@ -156,12 +157,12 @@ def _paged_attention_kernel(
     cached_lo = kv_lo
     if PRELOAD_KV:  # first, so that its registers are free for the rest
         cached_lo = kv_lo + BLOCK_N
-        if kv_lo < tl.minimum(kv_hi, ctx_len):
+        if kv_lo < cached_hi:
             acc, m_i, l_i = _softmax_step(q, first_k, first_v, acc, m_i, l_i, first_keys, first_ok, pos, scale,
                                           softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
                                           MASK_FULL if HAS_WINDOW else MASK_TAIL)
     acc, m_i, l_i = _attend_tile(
-        q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, kv_hi,
+        q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi,
         table, cache_head, stride_cb, stride_cs, stride_ckv,
         k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         cos_ptr, sin_ptr, stride_rt,
@@ -285,8 +286,8 @@ def paged_attention_fwd(
         TOKEN_MERGE=_token_merge_fits(launch.num_splits, group, head_dim),
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
-        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n, PRELOAD_KV=launch.decode and launch.preload_kv,
-        TRIGGER=int(launch.trigger),
+        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
+        PRELOAD_KV=launch.decode and launch.preload_kv, TRIGGER=int(launch.trigger),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )

@@ -190,7 +190,7 @@ def _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q: tl.constexpr, B
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, kv_hi, table, cache_head,
+    q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi, table, cache_head,
     stride_cb, stride_cs, stride_ckv, k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
     cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -198,7 +198,8 @@ def _attend_tile(
     DIAG_BLOCK_N: tl.constexpr,
 ):
     """acc/m_i/l_i (unnormalised output, running max and sum, log2 domain) of one tile updated with the
-    split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended)."""
+    split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended); the
+    pooled ones end at ``cached_hi``."""
     new_row0 = q_start - ctx_len  # input row of key j: q_start + j - ctx_len
     # The step's new keys [new_lo, kv_hi) first, from the inputs: whole blocks every row sees
     # (unmasked; only worth a loop of its own when tiles have many new keys), then the diagonal.
@@ -220,7 +221,6 @@ def _attend_tile(
         k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
         MASK_FULL, ROPE, ROT_DIM)
-    cached_hi = tl.minimum(kv_hi, ctx_len)
     CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, cached_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
