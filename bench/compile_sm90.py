@@ -108,6 +108,7 @@ def _attention(dtype="bf16", **overrides):
                                           "sin_ptr")}
     pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
     pointers["counters_ptr"] = "*i32"
+    pointers["trace_ptr"] = "*i64"
     metadata = ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr")
     pointers.update({n: "*i64" for n in metadata})
     const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_Q=4, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=4,
@@ -116,8 +117,11 @@ def _attention(dtype="bf16", **overrides):
                  DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", SPLIT_NEW_KEYS=False, ROPE=0, ROT_DIM=0,
                  PDL=False)
     const.update(overrides)
+    if "BLOCK_N" not in overrides and const["NUM_SPLITS"] > 1 and not const["SPLIT_NEW_KEYS"]:
+        const["BLOCK_N"] = 32  # as AttentionLaunch.choose: split decode grids are latency-bound ones
     const.setdefault("DIAG_BLOCK_N", const["BLOCK_N"])
     const.setdefault("TRIGGER", 0)
+    const.setdefault("TRACE", False)
     # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
     const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
@@ -129,8 +133,9 @@ def _attention(dtype="bf16", **overrides):
 def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
     names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
     pointers = {n: f"*{dtype}" for n in names}
+    pointers["trace_ptr"] = "*i64"
     const = dict(PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False, HAS_BIAS=False, BLOCK_M=1,
-                 BLOCK_N=4, BLOCK_K=1024, PDL=pdl, TRIGGER=1, PRELOAD=True)  # GemvLaunch.choose at one row
+                 BLOCK_N=4, BLOCK_K=1024, PDL=pdl, TRIGGER=1, PRELOAD=True, TRACE=False)  # GemvLaunch.choose at one row
     const.update(overrides)
     return gemv._gemv_kernel, pointers, const
 
@@ -146,6 +151,7 @@ def _gemv_variants():
     yield ("gemv add+norm 16 x 512, late trigger, no preload (PDL)",
            *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, BLOCK_N=16, BLOCK_K=512, TRIGGER=2, PRELOAD=False), 4, 1, pdl_on)
     yield ("gemv gated silu 8 x 1024 (PDL)", *_gemv(prologue=gemv.Prologue.GATED, BLOCK_N=8), 4, 1, pdl_on)
+    yield ("gemv add+norm, traced (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, TRACE=True), 4, 1, pdl_on)
     yield ("gemv add+norm (no PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, pdl=False), 4, 1)
     yield ("gemv add+norm, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.ADD_RMS_NORM, **four), 4, 1, pdl_on)
     yield ("gemv gated silu, 4 rows (PDL)", *_gemv(prologue=gemv.Prologue.GATED, **four), 4, 1, pdl_on)
@@ -187,6 +193,9 @@ def variants():
     half32 = dict(half, BLOCK_N=32, DIAG_BLOCK_N=diagonal32)
     yield ("attn rope decode b1 (32 keys, s16, PDL)",
            *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
+           {**options32, "launch_pdl": True})
+    yield ("attn rope decode b1 (32 keys, s16, PDL), traced",
+           *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True, TRACE=True)), 4, 2,
            {**options32, "launch_pdl": True})
     yield ("attn rope decode smollm2 (32 keys, s32)",
            *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64, **dict(half32, ROT_DIM=64, NUM_SPLITS=32)), 4, 2, options32)

@@ -12,8 +12,16 @@ and KV pools per layer; LM head and sampling left out. Variants:
   loaded before the PDL wait (``AttentionLaunch.preload_kv``);
 - the default launch without the preload, with the next kernel's launch allowed after the wait
   instead of at the start (``AttentionLaunch.trigger``), with blocks of 64 keys;
-- ``qkv 8 x 1024``: the qkv GEMV in one wave of larger tiles (its own linears-only baseline), to
-  see whether the attention gains from SM slots left free during the qkv GEMV's tail.
+- GEMV variants, each with its own linears-only baseline: one projection (qkv, o, gate/up, down) in
+  other tiles (8 x 1024: half the programs; 2 x 1024: twice the programs at 48 registers), the o
+  projection without its pre-wait weight tile (its 8 MB of first tiles then do not load while the
+  attention runs), to see whether the attention gains from SM slots left free during the qkv GEMV's
+  tail and what each projection's tiles cost.
+
+``--timeline`` instead records, for a few layers of the default chain, when each program of each
+kernel started, got past its PDL wait, attended its keys, reached the merge counter and stored
+(``autodeploy/kernels/trace.py``), and prints those times relative to the end of the kernel before:
+where the attention's microseconds go between the GEMVs.
 
 The attention's cost in the chain is (variant - linears only) / layers: its own latency plus the two
 hand-offs it adds, which a standalone kernel timing leaves out. Each attention variant is first checked
@@ -21,7 +29,7 @@ on its own against the reference op (random q/k/v on layer 0's pool: output and 
 passes below 1e-2): over 32 layers of random bf16 weights, outputs of different split counts drift
 apart by a few percent, so the chain's outputs are not compared.
 
-    python bench/layer_chain.py [--shapes llama8b,smollm2] [--context 512]
+    python bench/layer_chain.py [--shapes llama8b,smollm2] [--context 512] [--timeline]
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from gpu_harness import BF16_TOL, DEV, graph_us, rel_err  # noqa: E402  (this fo
 
 import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
-from autodeploy.kernels import pdl  # noqa: E402
+from autodeploy.kernels import pdl, trace  # noqa: E402
 from autodeploy.kernels.gemv import GemvLaunch, Prologue, gemv  # noqa: E402
 from autodeploy.kernels.pdl import Trigger  # noqa: E402
 from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
@@ -109,14 +117,23 @@ def copy_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+Gemvs = tuple[tuple[str, GemvLaunch], ...]  # (projection, launch) overrides: qkv, o, gate_up, down
+
+
+ROLES = ("qkv", "attention", "o", "gate_up", "down")  # the kernels of a layer, in launch order
+
+
 def decode_step(layers: list[Layer], step: Step, shape: dict, x: torch.Tensor, res: torch.Tensor,
-                launch: AttentionLaunch | str | None, qkv_launch: GemvLaunch | None = None) -> torch.Tensor:
+                launch: AttentionLaunch | str | None, gemvs: Gemvs = (),
+                traces: dict[tuple[int, str], torch.Tensor] | None = None) -> torch.Tensor:
     """One row through every layer; ``launch`` None leaves the attention out, COPY puts a copy in its place;
-    ``qkv_launch`` overrides the qkv GEMV's launch."""
+    ``gemvs`` overrides projections' GEMV launches; ``traces`` maps (layer, role) to a trace buffer."""
     heads, kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    for layer in layers:
+    tiles, traces = dict(gemvs), traces or {}
+    for index, layer in enumerate(layers):
+        buf = lambda role: traces.get((index, role))  # noqa: E731
         qkv, res = gemv(x, layer.qkv, prologue=Prologue.ADD_RMS_NORM, residual=res, norm_weight=layer.norm_in,
-                        eps=1e-5, launch=qkv_launch)
+                        eps=1e-5, launch=tiles.get("qkv"), trace_buffer=buf("qkv"))
         if launch is None:
             attn = qkv[:, :heads * d]
         elif launch == COPY:
@@ -127,32 +144,43 @@ def decode_step(layers: list[Layer], step: Step, shape: dict, x: torch.Tensor, r
             v = qkv[:, (heads + kv) * d:].view(1, kv, d)
             attn = paged_attention_fwd(q, k, v, layer.cache, step.cu_seqlens, step.context_lens, step.block_table,
                                        step.slots, d ** -0.5, rope_cos=step.cos, rope_sin=step.sin,
-                                       launch=launch).view(1, heads * d)
-        o = gemv(attn, layer.o)[0]
+                                       launch=launch, trace_buffer=buf("attention")).view(1, heads * d)
+        o = gemv(attn, layer.o, launch=tiles.get("o"), trace_buffer=buf("o"))[0]
         gate_up, res = gemv(o, layer.gate_up, prologue=Prologue.ADD_RMS_NORM, residual=res,
-                            norm_weight=layer.norm_post, eps=1e-5)
-        x = gemv(gate_up, layer.down, prologue=Prologue.GATED)[0]
+                            norm_weight=layer.norm_post, eps=1e-5, launch=tiles.get("gate_up"),
+                            trace_buffer=buf("gate_up"))
+        x = gemv(gate_up, layer.down, prologue=Prologue.GATED, launch=tiles.get("down"), trace_buffer=buf("down"))[0]
     return x
 
 
-Variant = tuple[str, "AttentionLaunch | str | None", "GemvLaunch | None"]  # label, attention, qkv GEMV
+Variant = tuple[str, "AttentionLaunch | str | None", Gemvs]  # label, attention, GEMV overrides
+
+
+def gemv_variants() -> list[tuple[str, Gemvs]]:
+    """Projections in other tiles, and the o projection without its pre-wait tile."""
+    base = GemvLaunch.choose(1, 1024)
+    tiles = lambda n: replace(base, block_n=n, block_k=1024)  # noqa: E731
+    out = [(f"{role} {n} x 1024", ((role, tiles(n)),)) for role in ("qkv", "o", "gate_up", "down") for n in (2, 8)]
+    out.append(("o no preload", (("o", replace(base, preload=False)),)))
+    out.append(("all 2 x 1024", tuple((role, tiles(2)) for role in ("qkv", "o", "gate_up", "down"))))
+    return out
 
 
 def variants(shape: dict, device=DEV) -> list[Variant]:
     default = AttentionLaunch.choose(1, 1, shape["heads"], shape["kv_heads"], shape["head_dim"], MAX_SEQ_LEN,
                                      torch.device(device))
-    out = [("linears only", None, None), ("copy kernel", COPY, None),
-           (f"attention default (s{default.num_splits}, preload {default.preload_kv})", default, None)]
+    out = [("linears only", None, ()), ("copy kernel", COPY, ()),
+           (f"attention default (s{default.num_splits}, preload {default.preload_kv})", default, ())]
     for splits in (8, 16, 32):
-        out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True), None))
-    out.append(("default, no preload", replace(default, preload_kv=False), None))
-    out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT), None))
-    out.append(("default, 64 keys per block", replace(default, block_n=64), None))
-    # The qkv GEMV in 8 x 1024 tiles: half the programs, one wave (8B: 768 programs, 7 per SM), so SM
-    # slots are free for the attention's programs to start their pre-wait work during its tail.
-    qkv_tiles = replace(GemvLaunch.choose(1, 1024), block_n=8, block_k=1024)
-    out.append(("linears only, qkv 8 x 1024", None, qkv_tiles))
-    out.append(("default, qkv 8 x 1024", default, qkv_tiles))
+        out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True), ()))
+    out.append(("default, no preload", replace(default, preload_kv=False), ()))
+    out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT), ()))
+    out.append(("default, 64 keys per block", replace(default, block_n=64), ()))
+    # (qkv 8 x 1024: half the programs, 4 per SM at 128 registers, so SM slots free up for the attention's
+    # programs to start their pre-wait work during the qkv GEMV's tail)
+    for label, gemvs in gemv_variants():
+        out.append((f"linears only, {label}", None, gemvs))
+        out.append((f"default, {label}", default, gemvs))
     return out
 
 
@@ -170,22 +198,24 @@ def check_attention(layer: Layer, step: Step, shape: dict, launch: AttentionLaun
     return max(rel_err(got, want), rel_err(got_cache, want_cache))
 
 
-def chain(name: str, shape: dict, context: int) -> list[str]:
+def chain(name: str, shape: dict, context: int, only: tuple[str, ...] = ()) -> list[str]:
     layers, step = make_layers(shape, context)
     torch.manual_seed(1)
     x = torch.randn(1, shape["hidden"], device=DEV, dtype=BF16)
     res = torch.randn_like(x)
     lines, base_us = [f"{name}: {shape['layers']} layers, batch 1, context {context}"], {}
-    for label, launch, qkv_launch in variants(shape):
+    for label, launch, gemvs in variants(shape):
+        if only and not any(label == p or label.startswith(p + " ") for p in only):
+            continue
         check = ""
         if isinstance(launch, AttentionLaunch):
             err = check_attention(layers[0], step, shape, launch)
             check = f"  check {err:.1e} {'ok' if err < BF16_TOL else 'FAIL'}"
-        us = graph_us([lambda a=launch, g=qkv_launch: decode_step(layers, step, shape, x, res, a, g)], reps=20)
-        if launch is None:  # the baseline of the variants with the same qkv GEMV
-            base_us[qkv_launch] = us
-        extra = (us - base_us[qkv_launch]) / shape["layers"]
-        lines.append(f"  {label:<42}{us / 1e3:>8.3f} ms {us / shape['layers']:>7.2f} us/layer"
+        us = graph_us([lambda a=launch, g=gemvs: decode_step(layers, step, shape, x, res, a, g)], reps=20)
+        if launch is None:  # the baseline of the variants with the same GEMVs
+            base_us[gemvs] = us
+        extra = (us - base_us[gemvs]) / shape["layers"]
+        lines.append(f"  {label:<46}{us / 1e3:>8.3f} ms {us / shape['layers']:>7.2f} us/layer"
                      f"{'' if launch is None else f'  attention +{extra:5.2f} us/layer'}{check}")
         print(lines[-1], flush=True)
     layers.clear()  # free this shape's weights and pools before the next shape
@@ -193,16 +223,95 @@ def chain(name: str, shape: dict, context: int) -> list[str]:
     return lines
 
 
+def trace_buffers(layers: list[Layer], shape: dict, launch: AttentionLaunch, traced: range,
+                  gemvs: Gemvs = ()) -> dict[tuple[int, str], torch.Tensor]:
+    """Trace buffers for every kernel of the ``traced`` layers and the down GEMV before the first."""
+    attention = (1 + 1) * shape["kv_heads"] * launch.num_splits  # one tile + one padding tile per KV head
+    programs = {"qkv": layers[0].qkv.shape[0], "attention": attention, "o": layers[0].o.shape[0],
+                "gate_up": layers[0].gate_up.shape[0], "down": layers[0].down.shape[0]}
+    launches = {role: GemvLaunch.choose(1, 1024) for role in ROLES} | dict(gemvs)
+    out = {}
+    for index in traced:
+        for role in ROLES:
+            count = programs[role]
+            if role != "attention":
+                count = -(-count // launches[role].block_n)
+            out[(index, role)] = trace.buffer(count, torch.device(DEV))
+    block_n = launches["down"].block_n
+    first = traced.start - 1
+    out[(first, "down")] = trace.buffer(-(-programs["down"] // block_n), torch.device(DEV))
+    return out
+
+
+def _events(buf: torch.Tensor, event: int, t0: int) -> torch.Tensor:
+    """Times (us, relative to t0) at which the programs that reached ``event`` got there."""
+    column = buf[:, event]
+    return (column[column != trace.UNSET] - t0).double() / 1e3
+
+
+def _summary(times: torch.Tensor) -> str:
+    if times.numel() == 0:
+        return f"{'-':>23}"
+    q = torch.quantile(times, torch.tensor([0.0, 0.5, 1.0], dtype=times.dtype))
+    return f"{q[0]:7.2f} {q[1]:7.2f} {q[2]:7.2f}"
+
+
+EVENT_NAMES = {1: "start", 2: "after wait", 3: "attended", 4: "arrived", 5: "stored"}
+
+
+def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs = ()) -> list[str]:
+    """Per kernel of the traced layers: min / median / max time of each event, in us after the end
+    of the kernel before it (its last program's store)."""
+    layers, step = make_layers(shape, context)
+    x = torch.randn(1, shape["hidden"], device=DEV, dtype=BF16)
+    res = torch.randn_like(x)
+    launch = AttentionLaunch.choose(1, 1, shape["heads"], shape["kv_heads"], shape["head_dim"], MAX_SEQ_LEN,
+                                    torch.device(DEV))
+    traces = trace_buffers(layers, shape, launch, traced, gemvs)
+    run = lambda: decode_step(layers, step, shape, x, res, launch, gemvs, traces)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    lines = [f"{name}: batch 1, context {context}, {launch}, GEMV overrides {dict(gemvs)}; us after the previous "
+             "kernel's last store (min / median / max over programs)"]
+    previous_end = int(traces[(traced.start - 1, "down")][:, 3].max())
+    for index in traced:
+        for role in ROLES:
+            buf = traces[(index, role)].cpu()
+            events = (1, 2, 3, 4, 5) if role == "attention" else (1, 2, 3)
+            end_event = 5 if role == "attention" else 3
+            lines.append(f"  layer {index} {role:<9} ({buf.shape[0]} programs, "
+                         f"{int((buf[:, 1] != trace.UNSET).sum())} traced, "
+                         f"{len(set(buf[:, 0].tolist()))} SMs)")
+            for event in events:
+                lines.append(f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, previous_end))}")
+            ends = buf[:, end_event]
+            if (ends != trace.UNSET).any():
+                previous_end = int(ends[ends != trace.UNSET].max())
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama8b,smollm2")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--timeline", action="store_true", help="trace layers 8-9 instead of timing variants")
+    parser.add_argument("--only", default="", help="';'-separated labels (or label prefixes up to a space) to time")
     args = parser.parse_args()
     os.environ.setdefault("AUTODEPLOY_PDL", "1")
     print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)
     lines = []
     for name in args.shapes.split(","):
-        lines += chain(name, SHAPES[name], args.context)
+        if args.timeline:
+            timeline(name, SHAPES[name], args.context, range(8, 10))
+        else:
+            lines += chain(name, SHAPES[name], args.context, tuple(p.strip() for p in args.only.split(";") if p.strip()))
     print("\n".join(lines))
     return 0 if all("FAIL" not in line for line in lines) else 1
 

@@ -80,7 +80,13 @@ for s in "$@"; do
     profile_b1) section profile_b1 150 python3 bench/profile_step.py --shape llama8b --batches 1 --engine ;;
     profile_large) section profile_large 200 python3 bench/profile_step.py --shape llama8b --batches 480 --context 192 --engine ;;
     serving) config_dir 8b; serving ;;
-    layer_chain) section layer_chain 200 python3 bench/layer_chain.py ;;  # the attention's cost between the GEMVs
+    timeline)  # where the attention's microseconds go between the GEMVs (trace probes), then its cost in the chain
+      section timeline 120 python3 bench/layer_chain.py --timeline --shapes llama8b,smollm2
+      section chain_default 150 python3 bench/layer_chain.py --only "linears only;attention default" ;;
+    tabulate_ab)  # batch 1 engine without the position tables (RoPE cos/sin computed every step)
+      section tabulate_off 180 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1 \
+          --set passes.tabulate_positions.enabled=false --label _no_tables --json "$OUT/tabulate_off.json" ;;
+    layer_chain) section layer_chain 360 python3 bench/layer_chain.py ;;  # the attention's cost between the GEMVs
     preload_ab)  # batch 1: the attention's first key block before the PDL wait (default) against after it
       section preload_ab_on 180 python3 bench/decode_bench.py --impls autodeploy,engine --batches 1 \
           --json "$OUT/preload_ab_on.json"

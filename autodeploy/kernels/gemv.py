@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, trace
 from .pdl import Trigger  # noqa: F401  (re-exported: GemvLaunch's trigger)
 from .activation import ACTIVATION_IDS, activate
 
@@ -119,13 +119,14 @@ def _accumulate(acc, w, a, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, trace_ptr,
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    trace.stamp(trace_ptr, 1, pid, TRACE)  # (kernels/trace.py: start, after the wait, after the store)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -138,6 +139,7 @@ def _gemv_kernel(
     if TRIGGER == START:
         pdl.allow_dependents(PDL)
     pdl.wait(PDL)
+    trace.stamp(trace_ptr, 2, pid, TRACE)
     if TRIGGER == AFTER_WAIT:
         pdl.allow_dependents(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -171,6 +173,7 @@ def _gemv_kernel(
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    trace.stamp(trace_ptr, 3, (tl.sum(out) != 0).to(tl.int32), TRACE)
 
 
 @dataclass(frozen=True)
@@ -219,10 +222,13 @@ def gemv(
     eps: float = 0.0,
     activation: str = "silu",
     launch: GemvLaunch | None = None,
+    trace_buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(prologue(x) @ weight.T + bias, x + residual or None)`` for x [..., K] of at most 4 rows.
 
     ``GATED`` reads x [..., 2K] (gate then up); ``ADD_RMS_NORM`` also returns ``x + residual``.
+    ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only) records each program's start, wait
+    release and end (``kernels/trace.py``).
     """
     n, k = weight.shape
     rows = x.reshape(-1, x.shape[-1])
@@ -240,20 +246,25 @@ def gemv(
         summed = torch.empty_like(rows)
     if m:
         _launch(rows, res, norm_weight if norm_weight is not None else weight, weight, bias, out, summed, eps,
-                prologue, activation, launch or GemvLaunch.choose(n, k, m))
+                prologue, activation, launch or GemvLaunch.choose(n, k, m), trace_buffer)
     shape = (*x.shape[:-1], n)
     return out.view(shape), (summed.view(x.shape) if prologue == Prologue.ADD_RMS_NORM else None)
 
 
-def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation, launch: GemvLaunch):
+def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation, launch: GemvLaunch,
+            trace_buffer=None):
     m, n, k = rows.shape[0], *weight.shape
     options = pdl.launch_options(rows.device)
-    _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+    programs = triton.cdiv(n, launch.block_n)
+    if trace_buffer is not None and tuple(trace_buffer.shape) != (programs, trace.EVENTS):
+        raise ValueError(f"trace buffer must be [{programs}, {trace.EVENTS}], got {tuple(trace_buffer.shape)}")
+    _gemv_kernel[(programs,)](
         rows, res, norm_w, weight, bias if bias is not None else weight, out, summed,
+        trace_buffer if trace_buffer is not None else out,
         m, n, k, rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
         TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, TRIGGER=int(launch.trigger), PRELOAD=launch.preload,
-        num_warps=launch.num_warps, num_stages=1, **options,
+        TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=1, **options,
     )

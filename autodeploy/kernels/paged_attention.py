@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, trace
 from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
@@ -72,7 +72,7 @@ _DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt", "stride_ps", "stride_ls"
 @triton.jit(do_not_specialize=_DYNAMIC_ARGS)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, sinks_ptr,
-    cos_ptr, sin_ptr, context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, num_seqs, num_tokens,
+    cos_ptr, sin_ptr, context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, trace_ptr, num_seqs, num_tokens,
     scale, softcap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
@@ -83,7 +83,11 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
     DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
+    TRACE: tl.constexpr = False,
 ):
+    # trace events (kernels/trace.py): 1 start, 2 after the wait, 3 keys attended, 4 arrived at the
+    # merge counter, 5 output stored
+    trace.stamp(trace_ptr, 1, tl.program_id(0), TRACE)
     if TRIGGER == START:
         pdl.allow_dependents(PDL)
     tile = tl.program_id(0)
@@ -120,6 +124,7 @@ def _paged_attention_kernel(
             first_keys, first_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_ptr, v_ptr, 0,
             stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM)
     pdl.wait(PDL)  # everything below reads activations or writes (kernels/pdl.py)
+    trace.stamp(trace_ptr, 2, tile, TRACE)
     if TRIGGER == AFTER_WAIT:  # (AFTER_LOOP: at the program's exit)
         pdl.allow_dependents(PDL)
 
@@ -171,10 +176,13 @@ def _paged_attention_kernel(
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    trace.stamp(trace_ptr, 3, (tl.sum(l_i) > 0).to(tl.int32), TRACE)
     if NUM_SPLITS == 1:
         _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
+        trace.stamp(trace_ptr, 5, tile, TRACE)
     elif active == 1:  # a context short enough for one split: nothing to merge
         _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
+        trace.stamp(trace_ptr, 5, tile, TRACE)
     else:
         _store_rows(part_out_ptr + split * stride_ps, q_rows, head, dims, stride_pt, stride_ph, store_mask,
                     normed)
@@ -182,6 +190,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
         counter = counters_ptr + tile * tl.num_programs(1) + kv_head
         arrived = _arrive(counter)
+        trace.stamp(trace_ptr, 4, arrived, TRACE)
         if arrived == active - 1:  # the last split of this tile to arrive merges, then resets
             one_token = False
             if TOKEN_MERGE:  # all splits of a group in registers at once (see MAX_TOKEN_MERGE)
@@ -195,10 +204,12 @@ def _paged_attention_kernel(
                        + (kv_head * GROUP + group_rows)[:, None] * stride_oh + dims[None, :])
                 tl.store(dst, token_out.to(out_ptr.dtype.element_ty),
                          mask=(group_rows < GROUP)[:, None] & dim_ok[None, :])
+                trace.stamp(trace_ptr, 5, (tl.sum(token_out) != 0).to(tl.int32), TRACE)
             else:
                 merged = _merge_splits(part_out_ptr, part_lse_ptr, q_rows, head, row_ok, dims, dim_ok, stride_ps,
                                        stride_pt, stride_ph, stride_ls, stride_lt, active, SPLITS_PAD)
                 _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, merged)
+                trace.stamp(trace_ptr, 5, (tl.sum(merged) != 0).to(tl.int32), TRACE)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -247,13 +258,15 @@ def paged_attention_fwd(
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
     launch: AttentionLaunch | None = None,
+    trace_buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into ``kv_cache`` and run paged causal attention of q [T, Hq, D] in one launch;
     returns [T, Hq, D] (rows of padding tokens past ``cu_seqlens[-1]`` are zero).
 
     With ``rope_cos``/``rope_sin`` ([T, R] per token) q and k are rotated in the kernel first (the
     rotated keys are cached). ``launch`` overrides the block sizes and split count chosen from the
-    shapes (tests use it).
+    shapes (tests use it). ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs =
+    (cdiv(T, block_q) + B) x KV heads x splits) records each program's events (``kernels/trace.py``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -270,12 +283,15 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
+    programs = grid[0] * grid[1] * grid[2]
+    if trace_buffer is not None and tuple(trace_buffer.shape) != (programs, trace.EVENTS):
+        raise ValueError(f"trace buffer must be [{programs}, {trace.EVENTS}], got {tuple(trace_buffer.shape)}")
     rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
     _paged_attention_kernel[grid](
         out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
-        context_lens, cu_seqlens, block_table, slot_mapping, num_seqs, num_tokens,
-        float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
+        context_lens, cu_seqlens, block_table, slot_mapping, trace_buffer if trace_buffer is not None else out,
+        num_seqs, num_tokens, float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2], rope.stride,
@@ -288,7 +304,7 @@ def paged_attention_fwd(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
         PRELOAD_KV=launch.decode and launch.preload_kv, TRIGGER=int(launch.trigger),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
+        TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )
     return out

@@ -3,9 +3,12 @@ reference op (interpreter, fp32/fp16)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from autodeploy.kernels.attention_config import AttentionLaunch
 from autodeploy.kernels.paged_attention import paged_attention_fwd, split_counters
+from autodeploy.kernels.paged_attention_blocks import _split_keys
 from paged_batches import random_cache, shuffled_blocks, step_metadata
 
 REFERENCE = torch.ops.autodeploy.paged_attention
@@ -199,3 +202,37 @@ def test_an_engine_meets_few_launch_variants(monkeypatch):
                     seen.add(AttentionLaunch.choose(tokens, seqs, 32, 8, 128, max_kv, torch.device("cuda")))
     assert {launch.num_splits for launch in seen} <= {1, 2, 4, 8, 16, 32, 64}
     assert len(seen) <= 2 * 7, sorted(seen, key=str)  # decode or prefill tiles x 7 split counts (was ~2 x 64)
+
+
+@triton.jit
+def _split_keys_probe(out_ptr, ctx_len, q_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr):
+    split = tl.program_id(0)
+    lo, hi, active = _split_keys(0, q_len, ctx_len, split, window, 16, BLOCK_N, NUM_SPLITS, HAS_WINDOW)
+    tl.store(out_ptr + split * 3, lo)
+    tl.store(out_ptr + split * 3 + 1, hi)
+    tl.store(out_ptr + split * 3 + 2, active)
+
+
+def _split_shares(ctx_len, q_len, splits, block_n=32, window=0):
+    out = torch.zeros(splits, 3, dtype=torch.int32)
+    _split_keys_probe[(splits,)](out, ctx_len, q_len, window, BLOCK_N=block_n, NUM_SPLITS=splits,
+                                 HAS_WINDOW=window > 0)
+    active = int(out[0, 2])
+    return [(int(lo), int(hi)) for lo, hi, _ in out[:active]], active
+
+
+@pytest.mark.parametrize("ctx_len,q_len,window", [(512, 1, 0), (520, 1, 0), (100, 1, 0), (0, 1, 0), (31, 4, 0),
+                                                  (700, 1, 200), (700, 3, 2)])
+def test_splits_share_the_visible_keys_in_whole_blocks(ctx_len, q_len, window):
+    """Every key visible to the tile falls to exactly one split, in whole blocks but the last share; at
+    512 cached keys + 1 new over 16 splits of 32-key blocks: 9 splits of 64 keys, the last holding only
+    the new key. (Sharing out the pooled keys alone, the new one going to the 16th split, measured
+    level on the H200: bench/layer_chain.py, 2026-12-03.)"""
+    shares, active = _split_shares(ctx_len, q_len, 16, window=window)
+    first = max(ctx_len + 1 - window, 0) if window else 0  # the window of the tile's first query
+    assert shares[0][0] == first and shares[-1][1] == ctx_len + q_len
+    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    assert all((hi - lo) % 32 == 0 for lo, hi in shares[:-1]) and all(hi > lo for lo, hi in shares)
+    if (ctx_len, q_len, window) == (512, 1, 0):
+        assert active == 9 and shares[-1] == (512, 513) and all(hi - lo == 64 for lo, hi in shares[:-1])
