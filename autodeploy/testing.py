@@ -68,9 +68,10 @@ def check_rewrite(
     return RewriteCheck(gm, result)
 
 
-def pass_runner(name: str, **settings) -> Callable[[fx.GraphModule], RuleResult]:
+def pass_runner(name: str, *, artifacts: dict | None = None, **settings) -> Callable[[fx.GraphModule], RuleResult]:
     """A graph function for ``check_rewrite`` that runs the registered pass ``name`` (configured
-    with ``settings``) the way the pipeline runner does, so a failing pass raises ``PassError``."""
+    with ``settings``, ``artifacts`` of earlier passes in its context) the way the pipeline runner
+    does, so a failing pass raises ``PassError``."""
     import importlib
 
     from .config import CompileConfig
@@ -81,7 +82,7 @@ def pass_runner(name: str, **settings) -> Callable[[fx.GraphModule], RuleResult]
 
     def run(gm: fx.GraphModule) -> RuleResult:
         ctx = CompileContext(gm=gm, hf_config=None, config=CompileConfig(), device=torch.device("cpu"),
-                             dtype=torch.float32)
+                             dtype=torch.float32, artifacts=dict(artifacts or {}))
         (record,) = run_pipeline(ctx, [entry])
         return RuleResult(matches=record.matches)
 

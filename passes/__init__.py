@@ -18,6 +18,7 @@ _BUILTIN = {
     "load_weights": "autodeploy.passes.load_weights:LoadWeights",
     "insert_kv_cache": "autodeploy.passes.insert_kv_cache:InsertKVCache",
     "fuse_rope_attention": "autodeploy.passes.fuse_rope_attention:FuseRoPEAttention",
+    "tabulate_positions": "autodeploy.passes.tabulate_positions:TabulatePositions",
     "allocate_kv_cache": "autodeploy.passes.allocate_kv_cache:AllocateKVCache",
     "warm_up": "autodeploy.passes.warm_up:WarmUp",
     "compile_cuda_graphs": "autodeploy.passes.compile_cuda_graphs:CompileCudaGraphs",

@@ -43,6 +43,13 @@ def test_fused_graph_and_hook_loading(compiled):
     assert counts.get("rope_qk", 0) == 0 and counts.get("rope", 0) == 0
     attentions = model.gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.paged_attention.default)
     assert len(attentions) == 2 and all(n.kwargs["rope_cos"] is not None for n in attentions)
+    # RoPE's cos/sin (eight small kernels per step): two tables over the pool's 64 positions, gathered
+    targets = [n.target for n in model.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cos.default not in targets and torch.ops.aten.bmm.default not in targets
+    gathers = [n for n in model.gm.graph.nodes if n.meta.get("autodeploy_provenance") == "tabulate_positions"]
+    assert [n.target for n in gathers] == [torch.ops.aten.index_select.default] * 2
+    assert sorted(tuple(b.shape) for n, b in model.gm.named_buffers() if n.startswith("position_table")) == [
+        (1, 64, 16), (1, 64, 16)]
     assert [type(s) for s in sources] == [SafetensorsSource]  # no fallback to a second host copy
     state = load_file(next(path.glob("*.safetensors")))
     params = dict(model.gm.named_parameters())
