@@ -256,7 +256,7 @@ def _summary(times: torch.Tensor) -> str:
     return f"{q[0]:7.2f} {q[1]:7.2f} {q[2]:7.2f}"
 
 
-EVENT_NAMES = {1: "start", 2: "after wait", 3: "attended", 4: "arrived", 5: "stored"}
+EVENT_NAMES = {1: "start", 2: "after wait", 6: "q loaded", 7: "1st block", 3: "attended", 4: "arrived", 5: "stored"}
 
 
 def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs = ()) -> list[str]:
@@ -283,7 +283,7 @@ def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs =
     for index in traced:
         for role in ROLES:
             buf = traces[(index, role)].cpu()
-            events = (1, 2, 3, 4, 5) if role == "attention" else (1, 2, 3)
+            events = (1, 2, 6, 7, 3, 4, 5) if role == "attention" else (1, 2, 3)
             end_event = 5 if role == "attention" else 3
             lines.append(f"  layer {index} {role:<9} ({buf.shape[0]} programs, "
                          f"{int((buf[:, 1] != trace.UNSET).sum())} traced, "

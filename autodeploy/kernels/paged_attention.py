@@ -85,8 +85,8 @@ def _paged_attention_kernel(
     DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
     TRACE: tl.constexpr = False,
 ):
-    # trace events (kernels/trace.py): 1 start, 2 after the wait, 3 keys attended, 4 arrived at the
-    # merge counter, 5 output stored
+    # trace events (kernels/trace.py): 1 start, 2 after the wait, 6 q loaded (and rotated), 7 the
+    # preloaded key block attended, 3 every key attended, 4 arrived at the merge counter, 5 output stored
     trace.stamp(trace_ptr, 1, tl.program_id(0), TRACE)
     if TRIGGER == START:
         pdl.allow_dependents(PDL)
@@ -151,6 +151,7 @@ def _paged_attention_kernel(
     if ROPE != ROPE_NONE:
         q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
                      stride_rt, ROPE, ROT_DIM, False)
+    trace.stamp(trace_ptr, 6, (tl.sum(q.to(tl.float32)) != 0).to(tl.int32), TRACE)
     pos = ctx_len + token
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -166,6 +167,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i = _softmax_step(q, first_k, first_v, acc, m_i, l_i, first_keys, first_ok, pos, scale,
                                           softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
                                           MASK_FULL if HAS_WINDOW else MASK_TAIL)
+        trace.stamp(trace_ptr, 7, (tl.sum(l_i) > 0).to(tl.int32), TRACE)
     acc, m_i, l_i = _attend_tile(
         q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi,
         table, cache_head, stride_cb, stride_cs, stride_ckv,
