@@ -19,7 +19,8 @@ and KV pools per layer; LM head and sampling left out. Variants:
   tail and what each projection's tiles cost.
 
 ``--timeline`` instead records, for a few layers of the default chain, when each program of each
-kernel started, got past its PDL wait, attended its keys, reached the merge counter and stored
+kernel started, got past its PDL wait, (attention) loaded q, attended its preloaded key block and all
+its keys, reached the merge counter and stored
 (``autodeploy/kernels/trace.py``), and prints those times relative to the end of the kernel before:
 where the attention's microseconds go between the GEMVs.
 
@@ -274,8 +275,11 @@ def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs =
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    for _ in range(5):
+    for _ in range(4):
         graph.replay()
+    for buf in traces.values():  # events of one replay only (the merging split changes from replay to replay)
+        buf.fill_(trace.UNSET)
+    graph.replay()
     torch.cuda.synchronize()
     lines = [f"{name}: batch 1, context {context}, {launch}, GEMV overrides {dict(gemvs)}; us after the previous "
              "kernel's last store (min / median / max over programs)"]

@@ -3,8 +3,8 @@ becomes a table over every position the KV pool can address, evaluated once here
 per step.
 
 RoPE's cos/sin are the case in point: ``inv_freq @ position``, a concat, cos, sin, the attention
-scaling and two casts are about eight small kernels at the start of every decode step (8B batch 1 on
-the H200: ~6% of what is left above the roofline); the table makes them two gathers.
+scaling and two casts are about eight small kernels at the start of every decode step; the table makes
+them two gathers (H200, engine batch 1: SmolLM2 0.587 -> 0.566 ms; the 8B step, level).
 
 Found by data flow, not by pattern, so any spelling of any architecture qualifies: a node is
 *position-only* when its inputs are the ``position_ids`` graph input, constants (``get_attr``
