@@ -256,11 +256,9 @@ def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activat
     m, n, k = rows.shape[0], *weight.shape
     options = pdl.launch_options(rows.device)
     programs = triton.cdiv(n, launch.block_n)
-    if trace_buffer is not None and tuple(trace_buffer.shape) != (programs, trace.EVENTS):
-        raise ValueError(f"trace buffer must be [{programs}, {trace.EVENTS}], got {tuple(trace_buffer.shape)}")
     _gemv_kernel[(programs,)](
         rows, res, norm_w, weight, bias if bias is not None else weight, out, summed,
-        trace_buffer if trace_buffer is not None else out,
+        trace.kernel_pointer(trace_buffer, programs, out),
         m, n, k, rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
         TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),

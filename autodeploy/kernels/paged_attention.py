@@ -285,14 +285,12 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
-    programs = grid[0] * grid[1] * grid[2]
-    if trace_buffer is not None and tuple(trace_buffer.shape) != (programs, trace.EVENTS):
-        raise ValueError(f"trace buffer must be [{programs}, {trace.EVENTS}], got {tuple(trace_buffer.shape)}")
     rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
     _paged_attention_kernel[grid](
         out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
-        context_lens, cu_seqlens, block_table, slot_mapping, trace_buffer if trace_buffer is not None else out,
+        context_lens, cu_seqlens, block_table, slot_mapping,
+        trace.kernel_pointer(trace_buffer, grid[0] * grid[1] * grid[2], out),
         num_seqs, num_tokens, float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),

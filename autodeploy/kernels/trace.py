@@ -18,6 +18,7 @@ import triton.language as tl
 
 EVENTS = 8  # slot 0: the SM; slots 1..7: events
 UNSET = -1
+_ROW = tl.constexpr(EVENTS)  # the kernels' spelling (a jit function reads only constexpr globals)
 
 
 @triton.jit
@@ -33,7 +34,7 @@ def stamp(trace_ptr, event: tl.constexpr, dep, TRACE: tl.constexpr):
     if TRACE:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
                                         is_pure=False, pack=1)
-        row = trace_ptr + program_index().to(tl.int64) * 8
+        row = trace_ptr + program_index().to(tl.int64) * _ROW
         tl.store(row + event, now)
         if event == 1:
             tl.store(row, tl.extra.cuda.smid().to(tl.int64))
@@ -42,3 +43,13 @@ def stamp(trace_ptr, event: tl.constexpr, dep, TRACE: tl.constexpr):
 def buffer(programs: int, device: torch.device) -> torch.Tensor:
     """A trace buffer for ``programs`` programs, every slot UNSET (events a program never reached)."""
     return torch.full((programs, EVENTS), UNSET, dtype=torch.int64, device=device)
+
+
+def kernel_pointer(buffer: torch.Tensor | None, programs: int, unused: torch.Tensor) -> torch.Tensor:
+    """What a kernel's ``trace_ptr`` gets: ``buffer``, checked to hold ``programs`` rows, or (no tracing)
+    ``unused``, any tensor of the launch."""
+    if buffer is None:
+        return unused
+    if tuple(buffer.shape) != (programs, EVENTS) or buffer.dtype != torch.int64:
+        raise ValueError(f"trace buffer must be int64 [{programs}, {EVENTS}], got {buffer.dtype} {tuple(buffer.shape)}")
+    return buffer

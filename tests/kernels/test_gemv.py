@@ -133,3 +133,11 @@ def test_fused_linear_ops_take_the_gemv_only_for_few_rows(monkeypatch, rows):
         ops.rms_norm_linear(x, norm_w, 1e-6, w, bias)
         torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=0, rtol=0)
         assert len(launched) == 4
+
+
+def test_a_trace_buffer_of_the_wrong_shape_is_refused():
+    from autodeploy.kernels import trace
+
+    x, w = _inputs(1, 64, 40, torch.float32)
+    with pytest.raises(ValueError, match="trace buffer must be int64"):
+        gemv(x, w, launch=SMALL, trace_buffer=trace.buffer(2, torch.device("cpu")))  # 3 programs of 16 features
