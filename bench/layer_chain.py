@@ -20,9 +20,11 @@ and KV pools per layer; LM head and sampling left out. Variants:
 
 ``--timeline`` instead records, for a few layers of the default chain, when each program of each
 kernel started, got past its PDL wait, (attention) loaded q, attended its preloaded key block and all
-its keys, reached the merge counter and stored
-(``autodeploy/kernels/trace.py``), and prints those times relative to the end of the kernel before:
-where the attention's microseconds go between the GEMVs.
+its keys, reached the merge counter, (the merging split) loaded the split weights and partials, and
+stored (``autodeploy/kernels/trace.py``), and prints those times relative to the end of the kernel
+before: where the attention's microseconds go between the GEMVs. ``--trigger`` changes where the
+attention lets the o GEMV launch; ``--attention-only`` traces the attention launches back to back,
+with no GEMV between them.
 
 The attention's cost in the chain is (variant - linears only) / layers: its own latency plus the two
 hand-offs it adds, which a standalone kernel timing leaves out. Each attention variant is first checked
@@ -30,7 +32,7 @@ on its own against the reference op (random q/k/v on layer 0's pool: output and 
 passes below 1e-2): over 32 layers of random bf16 weights, outputs of different split counts drift
 apart by a few percent, so the chain's outputs are not compared.
 
-    python bench/layer_chain.py [--shapes llama8b,smollm2] [--context 512] [--timeline]
+    python bench/layer_chain.py [--shapes llama8b,smollm2] [--context 512] [--timeline [--attention-only]]
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def variants(shape: dict, device=DEV) -> list[Variant]:
         out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True), ()))
     out.append(("default, no preload", replace(default, preload_kv=False), ()))
     out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT), ()))
+    out.append(("default, trigger at exit", replace(default, trigger=Trigger.AFTER_LOOP), ()))
     out.append(("default, 64 keys per block", replace(default, block_n=64), ()))
     # (qkv 8 x 1024: half the programs, 4 per SM at 128 registers, so SM slots free up for the attention's
     # programs to start their pre-wait work during the qkv GEMV's tail)
@@ -257,17 +260,35 @@ def _summary(times: torch.Tensor) -> str:
     return f"{q[0]:7.2f} {q[1]:7.2f} {q[2]:7.2f}"
 
 
-EVENT_NAMES = {1: "start", 2: "after wait", 6: "q loaded", 7: "1st block", 3: "attended", 4: "arrived", 5: "stored"}
+def _mergers(buf: torch.Tensor, next_buf: torch.Tensor, t0: int) -> list[str]:
+    """One line per program that merged its tile's splits (row: trace.program_index): its SM, its
+    arrival, loads and store, and how many programs of the next kernel (``next_buf``) had started on
+    that SM by the time it stored."""
+    lines = []
+    for row in (buf[:, 8] != trace.UNSET).nonzero().flatten().tolist():
+        t = lambda e: (buf[row, e].item() - t0) / 1e3  # noqa: E731
+        sm, stored = buf[row, 0].item(), buf[row, 5].item()
+        neighbours = int(((next_buf[:, 0] == sm) & (next_buf[:, 1] <= stored)).sum())
+        lines.append(f"    merger {row:4d} on SM {sm:3d}: arrived {t(4):6.2f} lse {t(8):6.2f} "
+                     f"parts {t(9):6.2f} stored {t(5):6.2f}; {neighbours} programs of the next kernel there")
+    return lines
 
 
-def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs = ()) -> list[str]:
+EVENT_NAMES = {1: "start", 2: "after wait", 6: "q loaded", 7: "1st block", 3: "attended", 4: "arrived",
+               8: "lse loaded", 9: "parts loaded", 5: "stored"}
+
+
+def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs = (),
+             trigger: Trigger | None = None) -> list[str]:
     """Per kernel of the traced layers: min / median / max time of each event, in us after the end
-    of the kernel before it (its last program's store)."""
+    of the kernel before it (its last program's store). ``trigger``: the attention's, instead of its default."""
     layers, step = make_layers(shape, context)
     x = torch.randn(1, shape["hidden"], device=DEV, dtype=BF16)
     res = torch.randn_like(x)
     launch = AttentionLaunch.choose(1, 1, shape["heads"], shape["kv_heads"], shape["head_dim"], MAX_SEQ_LEN,
                                     torch.device(DEV))
+    if trigger is not None:
+        launch = replace(launch, trigger=trigger)
     traces = trace_buffers(layers, shape, launch, traced, gemvs)
     run = lambda: decode_step(layers, step, shape, x, res, launch, gemvs, traces)  # noqa: E731
     run()
@@ -287,16 +308,53 @@ def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs =
     for index in traced:
         for role in ROLES:
             buf = traces[(index, role)].cpu()
-            events = (1, 2, 6, 7, 3, 4, 5) if role == "attention" else (1, 2, 3)
+            events = (1, 2, 6, 7, 3, 4, 8, 9, 5) if role == "attention" else (1, 2, 3)
             end_event = 5 if role == "attention" else 3
             lines.append(f"  layer {index} {role:<9} ({buf.shape[0]} programs, "
                          f"{int((buf[:, 1] != trace.UNSET).sum())} traced, "
                          f"{len(set(buf[:, 0].tolist()))} SMs)")
             for event in events:
                 lines.append(f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, previous_end))}")
+            if role == "attention":
+                lines += _mergers(buf, traces[(index, "o")].cpu(), previous_end)
             ends = buf[:, end_event]
             if (ends != trace.UNSET).any():
                 previous_end = int(ends[ends != trace.UNSET].max())
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def attention_timeline(name: str, shape: dict, context: int, traced: range) -> list[str]:
+    """The attention launches of every layer back to back (no GEMVs between them: the same q/k/v each
+    time), layers ``traced`` traced: the merge's events when nothing else runs on the GPU."""
+    layers, step = make_layers(shape, context)
+    heads, kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    q, k, v = (torch.randn(1, n, d, device=DEV, dtype=BF16) for n in (heads, kv, kv))
+    launch = AttentionLaunch.choose(1, 1, heads, kv, d, MAX_SEQ_LEN, torch.device(DEV))
+    traces = {index: trace.buffer(2 * kv * launch.num_splits, torch.device(DEV)) for index in traced}
+    args = (step.cu_seqlens, step.context_lens, step.block_table, step.slots, d ** -0.5)
+    run = lambda: [paged_attention_fwd(q, k, v, layer.cache, *args, rope_cos=step.cos, rope_sin=step.sin,  # noqa: E731
+                                       launch=launch, trace_buffer=traces.get(index))
+                   for index, layer in enumerate(layers)]
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(4):
+        graph.replay()
+    for buf in traces.values():
+        buf.fill_(trace.UNSET)
+    graph.replay()
+    torch.cuda.synchronize()
+    lines = [f"{name}: attention only, back to back, context {context}, {launch}; us after the first program's start"]
+    for index in traced:
+        buf = traces[index].cpu()
+        t0 = int(buf[:, 1][buf[:, 1] != trace.UNSET].min())
+        lines.append(f"  layer {index} attention")
+        for event in (1, 2, 6, 7, 3, 4, 8, 9, 5):
+            lines.append(f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, t0))}")
+        lines += _mergers(buf, buf[:0], t0)
     print("\n".join(lines), flush=True)
     return lines
 
@@ -306,6 +364,10 @@ def main() -> int:
     parser.add_argument("--shapes", default="llama8b,smollm2")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--timeline", action="store_true", help="trace layers 8-9 instead of timing variants")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="--timeline of the attention launches alone, back to back")
+    parser.add_argument("--trigger", choices=[t.name.lower() for t in Trigger], default=None,
+                        help="--timeline: where the attention lets the o GEMV launch (default: its launch's)")
     parser.add_argument("--only", default="", help="';'-separated labels (or label prefixes up to a space) to time")
     args = parser.parse_args()
     os.environ.setdefault("AUTODEPLOY_PDL", "1")
@@ -313,7 +375,11 @@ def main() -> int:
     lines = []
     for name in args.shapes.split(","):
         if args.timeline:
-            timeline(name, SHAPES[name], args.context, range(8, 10))
+            trigger = Trigger[args.trigger.upper()] if args.trigger else None
+            if args.attention_only:
+                attention_timeline(name, SHAPES[name], args.context, range(8, 10))
+                continue
+            timeline(name, SHAPES[name], args.context, range(8, 10), trigger=trigger)
         else:
             lines += chain(name, SHAPES[name], args.context, tuple(p.strip() for p in args.only.split(";") if p.strip()))
     print("\n".join(lines))

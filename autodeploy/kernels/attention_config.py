@@ -40,7 +40,8 @@ class AttentionLaunch:
 
     ``preload_kv`` (decode launches only): each program loads its split's first block of pooled keys
     (block table entries, then K and V) before the PDL wait, while the kernel before it finishes, so
-    that after the wait the block is a dot away instead of two dependent memory round trips.
+    that after the wait the block is a dot away instead of two dependent memory round trips. (Two
+    blocks preloaded: 8B batch 1 between the GEMVs 8.3 vs 8.0 us per layer, H200, 2026-12-03.)
     ``trigger``: where each program lets the next kernel (under PDL) launch.
     """
 

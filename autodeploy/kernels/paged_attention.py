@@ -21,7 +21,8 @@ can be captured in a CUDA graph):
   and writes a partial output and its log2-sum-exp; the split that arrives last at its tile's
   counter merges them into ``out``, so there is no combine kernel either. Splits past the tile's
   keys (short contexts) take no part; one split with keys stores straight to ``out``; a tile of one
-  query token (decodes) merges its group's rows of all splits in one load (``_merge_token``).
+  query token (decodes) merges its group's rows of all splits in one load (``_merge_token``), of
+  16-byte vectors (the partials' strides are padded to be specialized as multiples of 16).
 - before the PDL wait a program reads only what no kernel of the step writes: the metadata (its
   sequence and lengths, in one round trip under ``SEARCH_BLOCK`` sequences), the new key's slot
   and, in grids that do not fill the GPU (``AttentionLaunch.preload_kv``), its first block of
@@ -65,8 +66,10 @@ ROPE_DECODE_MAX_REGISTERS = 128
 
 
 # Values that change from step to step: specializing on them (== 1, divisible by 16) would compile
-# new kernels while an engine serves, so they are plain runtime integers.
-_DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt", "stride_ps", "stride_ls"]
+# new kernels while an engine serves, so they are plain runtime integers. (The split partials' strides
+# change with the step's tokens too, but ``_partials`` pads them to multiples of 16 elements: they
+# are specialized as such, which lets the merge load partial rows 16 bytes at a time.)
+_DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt"]
 
 
 @triton.jit(do_not_specialize=_DYNAMIC_ARGS)
@@ -86,7 +89,8 @@ def _paged_attention_kernel(
     TRACE: tl.constexpr = False,
 ):
     # trace events (kernels/trace.py): 1 start, 2 after the wait, 6 q loaded (and rotated), 7 the
-    # preloaded key block attended, 3 every key attended, 4 arrived at the merge counter, 5 output stored
+    # preloaded key block attended, 3 every key attended, 4 arrived at the merge counter, (a decode token's
+    # merge) 8 split weights loaded, 9 partials loaded, 5 output stored
     trace.stamp(trace_ptr, 1, tl.program_id(0), TRACE)
     if TRIGGER == START:
         pdl.allow_dependents(PDL)
@@ -199,8 +203,8 @@ def _paged_attention_kernel(
                 one_token = q_len - q_first == 1
             if one_token:  # one query token (decodes): its GROUP rows, every split in one load
                 token_out = _merge_token(part_out_ptr, part_lse_ptr, q_start + q_first, kv_head * GROUP, active,
-                                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS_PAD)
+                                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, trace_ptr,
+                                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS_PAD, TRACE)
                 group_rows = tl.arange(0, GROUP_PAD)
                 dst = (out_ptr + (q_start + q_first).to(tl.int64) * stride_ot
                        + (kv_head * GROUP + group_rows)[:, None] * stride_oh + dims[None, :])
@@ -356,13 +360,25 @@ class _RoPEArgs:
 
 
 def _partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scratch for split partial outputs [S, T, Hq, D] and their log2-sum-exp [S, T, Hq]."""
+    """fp32 scratch for split partial outputs [S, T, Hq, D] and their log2-sum-exp [S, T, Hq].
+
+    Every stride but the last is a multiple of 16 elements, whatever the step's T (see _DYNAMIC_ARGS):
+    the merge's loads of a partial row are then 16-byte vectors.
+    """
     if num_splits == 1:
         dummy = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
         return dummy, dummy
     t, h, d = q.shape
-    return (torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device),
-            torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device))
+    out = _padded_scratch((num_splits, t, h, d), q.device)
+    lse = _padded_scratch((num_splits, t, h), q.device)
+    return out, lse
+
+
+def _padded_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` whose strides (but the last) are multiples of 16 elements: its
+    last dimension padded."""
+    storage = torch.empty((*shape[:-1], -(-shape[-1] // 16) * 16), dtype=torch.float32, device=device)
+    return storage[..., :shape[-1]]
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import trace
+
 LOG2E = tl.constexpr(1.4426950408889634)
 # Masking of a key block's scores (constexpr): none (every row sees every key), only keys past the
 # range's end (cached keys: no row's position is before them), or causal + window + end.
@@ -283,26 +285,33 @@ def _merge_splits(
 
 @triton.jit
 def _merge_token(
-    part_out_ptr, part_lse_ptr, row, head0, active, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    part_out_ptr, part_lse_ptr, row, head0, active, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, trace_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, TRACE: tl.constexpr,
 ):
     """``_merge_splits`` for the GROUP query heads (from ``head0``) of a single token ``row``: only those
-    rows are real in a decode's tile, so all splits fit one load of [SPLITS_PAD, GROUP_PAD, BLOCK_D]
-    and the merge is one memory round trip instead of one per split (about 0.35 us each, H200)."""
-    splits = tl.arange(0, SPLITS_PAD)
+    rows are real in a decode's tile, so all splits fit one load of [GROUP_PAD, SPLITS_PAD, BLOCK_D]
+    and the merge is one memory round trip instead of one per split (about 0.35 us each, H200).
+
+    With the split axis in the middle the compiler puts the warps on the group axis, so every
+    reduction over splits stays inside a thread: after the last split arrives, the 8B shape's merge
+    takes 1.1-1.5 us to its store instead of ~4.5 ([splits, group, dims], with scalar loads while
+    the partials' strides were not specialized; H200, bench/layer_chain.py --timeline, 2026-12-03)."""
     heads = tl.arange(0, GROUP_PAD)
+    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    live = (splits < active)[:, None] & (heads < GROUP)[None, :]
+    live = (heads < GROUP)[:, None] & (splits < active)[None, :]
     row64 = row.to(tl.int64)
-    lse = tl.load(part_lse_ptr + splits[:, None] * stride_ls + row64 * stride_lt + head0 + heads[None, :],
+    lse = tl.load(part_lse_ptr + splits[None, :] * stride_ls + row64 * stride_lt + head0 + heads[:, None],
                   mask=live, other=float("-inf"), cache_modifier=".cg")
-    parts = (part_out_ptr + splits[:, None, None] * stride_ps + row64 * stride_pt
-             + (head0 + heads)[None, :, None] * stride_ph + dims[None, None, :])
+    parts = (part_out_ptr + splits[None, :, None] * stride_ps + row64 * stride_pt
+             + (head0 + heads)[:, None, None] * stride_ph + dims[None, None, :])
     part = tl.load(parts, mask=live[:, :, None] & (dims < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse, 0)
+    trace.stamp(trace_ptr, 8, (tl.sum(lse) != 0).to(tl.int32), TRACE)  # (trace events: paged_attention.py)
+    trace.stamp(trace_ptr, 9, (tl.sum(part) != 0).to(tl.int32), TRACE)
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    weight = tl.exp2(lse - m[None, :])
-    total = tl.sum(weight, 0)
-    merged = tl.sum(weight[:, :, None] * part, 0)
+    weight = tl.exp2(lse - m[:, None])
+    total = tl.sum(weight, 1)
+    merged = tl.sum(weight[:, :, None] * part, 1)
     return merged / tl.where(total > 0, total, 1.0)[:, None]

@@ -204,6 +204,20 @@ def test_an_engine_meets_few_launch_variants(monkeypatch):
     assert len(seen) <= 2 * 7, sorted(seen, key=str)  # decode or prefill tiles x 7 split counts (was ~2 x 64)
 
 
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 32, 128), (3, 9, 64), (7, 5, 72), (513, 3, 80)])
+def test_split_partials_keep_strides_the_jit_specializes(tokens, heads, head_dim):
+    """The partials' strides are specialized (not in _DYNAMIC_ARGS), which makes the merge's loads
+    16-byte vectors: they must be multiples of 16 elements for every step size, or a new step size
+    would compile another kernel while an engine serves."""
+    from autodeploy.kernels.paged_attention import _DYNAMIC_ARGS, _partials
+
+    out, lse = _partials(4, torch.empty(tokens, heads, head_dim))
+    assert out.shape == (4, tokens, heads, head_dim) and lse.shape == (4, tokens, heads)
+    assert all(stride % 16 == 0 for stride in (*out.stride()[:3], *lse.stride()[:2]))
+    assert out.stride(-1) == lse.stride(-1) == 1
+    assert not {"stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt"} & set(_DYNAMIC_ARGS)
+
+
 @triton.jit
 def _split_keys_probe(out_ptr, ctx_len, q_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       HAS_WINDOW: tl.constexpr):
