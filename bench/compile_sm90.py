@@ -41,7 +41,12 @@ DIVISIBLE_INTS = {"n_cols", "N", "K"}  # hidden / intermediate sizes: multiples 
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
+    """Triton's signature and the divisibility the JIT would find at run time: pointers, strides and
+    hidden sizes divisible by 16, except the kernel's ``do_not_specialize`` arguments (the JIT leaves
+    those unspecialized; assuming them divisible here once showed 16-byte loads that ran as scalar
+    loads on the GPU)."""
     sig, attrs = {}, {}
+    unspecialized = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -50,7 +55,7 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
-            if name.startswith("stride") or name in DIVISIBLE_INTS:
+            if (name.startswith("stride") or name in DIVISIBLE_INTS) and name not in unspecialized:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
@@ -81,8 +86,10 @@ def _spills_in_loops(cubin: bytes) -> int:
 
 def _instructions(ptx: str) -> str:
     kinds = [("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("cp.async", r"cp\.async\.c[ag]"),
-             ("ld.v4", r"ld\.global\S*\.v4"), ("st.v4", r"st\.global\S*\.v4")]
-    return " ".join(name for name, pattern in kinds if re.search(pattern, ptx))
+             ("ld.v4", r"ld\.global\S*\.v4"), ("st.v4", r"st\.global\S*\.v4"),
+             ("ld.cg.v4", r"ld\.global\.cg\S*\.v4")]  # (.cg: the split merge's loads of partials)
+    found = [(name, len(re.findall(pattern, ptx))) for name, pattern in kinds]
+    return " ".join(f"{name} x{count}" if name == "ld.cg.v4" else name for name, count in found if count)
 
 
 def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, options=None) -> tuple[str, bool]:

@@ -278,6 +278,22 @@ EVENT_NAMES = {1: "start", 2: "after wait", 6: "q loaded", 7: "1st block", 3: "a
                8: "lse loaded", 9: "parts loaded", 5: "stored"}
 
 
+def _replay_traced(run, buffers) -> None:
+    """Capture ``run`` in a CUDA graph, replay it a few times, then once more with every trace buffer
+    cleared: events of one replay only (the merging split changes from replay to replay)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(4):
+        graph.replay()
+    for buf in buffers:
+        buf.fill_(trace.UNSET)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs = (),
              trigger: Trigger | None = None) -> list[str]:
     """Per kernel of the traced layers: min / median / max time of each event, in us after the end
@@ -290,18 +306,7 @@ def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs =
     if trigger is not None:
         launch = replace(launch, trigger=trigger)
     traces = trace_buffers(layers, shape, launch, traced, gemvs)
-    run = lambda: decode_step(layers, step, shape, x, res, launch, gemvs, traces)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(4):
-        graph.replay()
-    for buf in traces.values():  # events of one replay only (the merging split changes from replay to replay)
-        buf.fill_(trace.UNSET)
-    graph.replay()
-    torch.cuda.synchronize()
+    _replay_traced(lambda: decode_step(layers, step, shape, x, res, launch, gemvs, traces), traces.values())
     lines = [f"{name}: batch 1, context {context}, {launch}, GEMV overrides {dict(gemvs)}; us after the previous "
              "kernel's last store (min / median / max over programs)"]
     previous_end = int(traces[(traced.start - 1, "down")][:, 3].max())
@@ -333,20 +338,9 @@ def attention_timeline(name: str, shape: dict, context: int, traced: range) -> l
     launch = AttentionLaunch.choose(1, 1, heads, kv, d, MAX_SEQ_LEN, torch.device(DEV))
     traces = {index: trace.buffer(2 * kv * launch.num_splits, torch.device(DEV)) for index in traced}
     args = (step.cu_seqlens, step.context_lens, step.block_table, step.slots, d ** -0.5)
-    run = lambda: [paged_attention_fwd(q, k, v, layer.cache, *args, rope_cos=step.cos, rope_sin=step.sin,  # noqa: E731
-                                       launch=launch, trace_buffer=traces.get(index))
-                   for index, layer in enumerate(layers)]
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(4):
-        graph.replay()
-    for buf in traces.values():
-        buf.fill_(trace.UNSET)
-    graph.replay()
-    torch.cuda.synchronize()
+    _replay_traced(lambda: [paged_attention_fwd(q, k, v, layer.cache, *args, rope_cos=step.cos, rope_sin=step.sin,
+                                                launch=launch, trace_buffer=traces.get(index))
+                            for index, layer in enumerate(layers)], traces.values())
     lines = [f"{name}: attention only, back to back, context {context}, {launch}; us after the first program's start"]
     for index in traced:
         buf = traces[index].cpu()

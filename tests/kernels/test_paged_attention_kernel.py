@@ -163,7 +163,7 @@ def test_default_launch_choice():
     assert AttentionLaunch.choose(1, 1, 4, 1, 128, 4096, cpu).num_splits == 8  # 12 wanted, a power of two
     assert AttentionLaunch.choose(250 + 256, 252, 32, 8, 128, 4096, cpu).decode  # decodes + 2 prompt chunks
     assert not AttentionLaunch.choose(5 * 64, 64, 32, 8, 128, 4096, cpu).decode
-    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 256, cpu).num_splits == 4  # >= 64 keys per split
+    assert AttentionLaunch.choose(1, 1, 4, 1, 128, 128, cpu).num_splits == 4  # >= 32 keys per split
     assert AttentionLaunch.choose(64, 1, 4, 1, 128, 8192, cpu).num_splits == 1  # prefill: 2 programs per SM
 
 
@@ -177,7 +177,7 @@ def test_fp32_prefill_tiles_fit_shared_memory():
     assert AttentionLaunch.choose(64, 64, 32, 8, 128, 4096, cpu, element_size=4).block_n == 64  # decode: 78 KB
 
 
-@pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 8), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
+@pytest.mark.parametrize("seqs, keys, splits", [(1, 512, 16), (1, 592, 16), (8, 512, 4), (64, 512, 1), (1, 4096, 16),
                                                 (8, 4096, 4), (64, 4096, 1), (256, 4096, 1)])
 def test_decode_splits_on_an_h200(monkeypatch, seqs, keys, splits):
     """The split counts the H200 measured fastest (attention_config's comment) for 32/8 heads."""
