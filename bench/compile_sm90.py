@@ -43,8 +43,8 @@ DIVISIBLE_INTS = {"n_cols", "N", "K"}  # hidden / intermediate sizes: multiples 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
     """Triton's signature and the divisibility the JIT would find at run time: pointers, strides and
     hidden sizes divisible by 16, except the kernel's ``do_not_specialize`` arguments (the JIT leaves
-    those unspecialized; assuming them divisible here once showed 16-byte loads that ran as scalar
-    loads on the GPU)."""
+    those unspecialized; assuming them divisible here once hid the 32 B spill and fewer vector loads
+    of the batch-1 attention the GPU actually ran)."""
     sig, attrs = {}, {}
     unspecialized = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
     for index, name in enumerate(kernel.arg_names):

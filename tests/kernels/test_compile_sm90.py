@@ -17,7 +17,7 @@ def test_all_kernels_compile_for_hopper_without_spills():
     run = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr  # a variant failed to compile or spilled
     # A batch-1 decode (the 8B shape's 16 splits) merges its splits' partials with 16-byte loads and
-    # spills nothing: with the partials' strides unspecialized it spilled 32 B and the merge took ~4.5 us
+    # spills nothing: with the partials' strides unspecialized it spilled 32 B, and the merge took ~4.5 us
     # after the last split's arrival on the H200 instead of ~1.3 (docs/perf.md, tenth session).
     variant = "attn rope decode b1 (32 keys, s16, PDL) "
     merge_row = next(line for line in run.stdout.splitlines() if line.startswith(variant))
