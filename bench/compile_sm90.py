@@ -128,6 +128,7 @@ def _attention(dtype="bf16", **overrides):
         const["BLOCK_N"] = 32  # as AttentionLaunch.choose: split decode grids are latency-bound ones
     const.setdefault("DIAG_BLOCK_N", const["BLOCK_N"])
     const.setdefault("TRIGGER", 0)
+    const.setdefault("SECOND_EARLY", False)
     const.setdefault("TRACE", False)
     # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
     const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
@@ -203,6 +204,9 @@ def variants():
            {**options32, "launch_pdl": True})
     yield ("attn rope decode b1 (32 keys, s16, PDL), traced",
            *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True, TRACE=True)), 4, 2,
+           {**options32, "launch_pdl": True})
+    yield ("attn rope decode b1 (32 keys, s16, PDL), second block early",
+           *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True, SECOND_EARLY=True)), 4, 2,
            {**options32, "launch_pdl": True})
     yield ("attn rope decode smollm2 (32 keys, s32)",
            *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64, **dict(half32, ROT_DIM=64, NUM_SPLITS=32)), 4, 2, options32)

@@ -177,6 +177,7 @@ def variants(shape: dict, device=DEV) -> list[Variant]:
     for splits in (8, 16, 32):
         out.append((f"attention s{splits} +preload", replace(default, num_splits=splits, preload_kv=True), ()))
     out.append(("default, no preload", replace(default, preload_kv=False), ()))
+    out.append(("default, second block early", replace(default, second_block_early=True), ()))
     out.append(("default, trigger after wait", replace(default, trigger=Trigger.AFTER_WAIT), ()))
     out.append(("default, trigger at exit", replace(default, trigger=Trigger.AFTER_LOOP), ()))
     out.append(("default, 64 keys per block", replace(default, block_n=64), ()))

@@ -47,6 +47,8 @@ class AttentionLaunch:
     (block table entries, then K and V) before the PDL wait, while the kernel before it finishes, so
     that after the wait the block is a dot away instead of two dependent memory round trips. (Two
     blocks preloaded: 8B batch 1 between the GEMVs 8.3 vs 8.0 us per layer, H200, 2026-12-03.)
+    ``second_block_early`` (with ``preload_kv``): the second block's table entries are loaded before
+    the wait as well, and its K/V right after q, before the first block's dot.
     ``trigger``: where each program lets the next kernel (under PDL) launch.
     """
 
@@ -57,6 +59,7 @@ class AttentionLaunch:
     num_stages: int = 2
     decode: bool = False
     preload_kv: bool = False
+    second_block_early: bool = False
     trigger: Trigger = Trigger.START
 
     def block_q(self, group: int) -> int:

@@ -51,7 +51,8 @@ from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
     LOG2E, MASK_FULL, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_tile, _load_key_block,
-    _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _split_keys, _write_new_kv,
+    _load_pooled_block, _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _split_keys,
+    _write_new_kv,
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
@@ -85,7 +86,8 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKEN_MERGE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, SECOND_EARLY: tl.constexpr, TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
     TRACE: tl.constexpr = False,
 ):
     # trace events (kernels/trace.py): 1 start, 2 after the wait, 6 q loaded (and rotated), 7 the
@@ -127,6 +129,10 @@ def _paged_attention_kernel(
         first_k, first_v = _load_key_block(
             first_keys, first_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_ptr, v_ptr, 0,
             stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM)
+        if SECOND_EARLY:  # the second block's table entries too: its K/V are fetched right after q
+            second_keys = first_keys + BLOCK_N
+            second_ok = (second_keys < cached_hi) & owned & (q_first < q_len)
+            second_page = tl.load(table + second_keys // PAGE_SIZE, mask=second_ok, other=0)
     pdl.wait(PDL)  # everything below reads activations or writes (kernels/pdl.py)
     trace.stamp(trace_ptr, 2, tile, TRACE)
     if TRIGGER == AFTER_WAIT:  # (AFTER_LOOP: at the program's exit)
@@ -155,6 +161,9 @@ def _paged_attention_kernel(
     if ROPE != ROPE_NONE:
         q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
                      stride_rt, ROPE, ROT_DIM, False)
+    if PRELOAD_KV and SECOND_EARLY:  # issued before the dots, so that DRAM's latency overlaps them
+        second_k, second_v = _load_pooled_block(second_keys, second_ok, second_page, cache_head, stride_cb,
+                                                stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
     trace.stamp(trace_ptr, 6, (tl.sum(q.to(tl.float32)) != 0).to(tl.int32), TRACE)
     pos = ctx_len + token
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -171,6 +180,12 @@ def _paged_attention_kernel(
             acc, m_i, l_i = _softmax_step(q, first_k, first_v, acc, m_i, l_i, first_keys, first_ok, pos, scale,
                                           softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
                                           MASK_FULL if HAS_WINDOW else MASK_TAIL)
+        if SECOND_EARLY:
+            cached_lo = kv_lo + 2 * BLOCK_N
+            if kv_lo + BLOCK_N < cached_hi:
+                acc, m_i, l_i = _softmax_step(q, second_k, second_v, acc, m_i, l_i, second_keys, second_ok, pos,
+                                              scale, softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
+                                              MASK_FULL if HAS_WINDOW else MASK_TAIL)
         trace.stamp(trace_ptr, 7, (tl.sum(l_i) > 0).to(tl.int32), TRACE)
     acc, m_i, l_i = _attend_tile(
         q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi,
@@ -307,7 +322,7 @@ def paged_attention_fwd(
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
-        PRELOAD_KV=launch.decode and launch.preload_kv, TRIGGER=int(launch.trigger),
+        PRELOAD_KV=launch.decode and launch.preload_kv, SECOND_EARLY=launch.second_block_early, TRIGGER=int(launch.trigger),
         TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )

@@ -107,20 +107,32 @@ def _load_key_block(
     as the reference reads them back from the pool."""
     if FROM_POOL:
         page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
-        k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
-        v_src = k_src + stride_ckv
+        k_t, v = _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, stride_ckv, dims, dim_ok,
+                                    PAGE_SIZE)
     else:
         row = (keys + new_row0).to(tl.int64)  # input row of key j: cu_seqlens[b] + j - context_len
         k_src = k_head + row * stride_kt
-        v_src = v_head + row * stride_vt
-    # V is issued right after K, not after the K dot: both loads are in flight together
-    k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-    v = tl.load(v_src[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-    if not FROM_POOL:
+        # V is issued right after K, not after the K dot: both loads are in flight together
+        k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        v = tl.load(v_head + row[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                    other=0.0)
         if ROPE != ROPE_NONE:
             k_t = _rotated(k_t, k_src, row, key_ok, dims, cos_ptr, sin_ptr, stride_rt, ROPE, ROT_DIM, True)
         cache_ty = cache_head.dtype.element_ty
         k_t, v = k_t.to(cache_ty), v.to(cache_ty)
+    return k_t, v
+
+
+@triton.jit
+def _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, stride_ckv, dims, dim_ok,
+                       PAGE_SIZE: tl.constexpr):
+    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of pooled ``keys`` whose block-table entries
+    (``page``, one per key) are already loaded."""
+    k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
+    v_src = k_src + stride_ckv
+    # V is issued right after K, not after the K dot: both loads are in flight together
+    k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    v = tl.load(v_src[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
     return k_t, v
 
 

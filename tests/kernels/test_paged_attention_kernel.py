@@ -79,14 +79,16 @@ def test_decode_splits_some_with_no_keys(splits):
     _compare(seqs, 8, 2, 16, torch.float32, AttentionLaunch(16, 16, splits, decode=True), page=8, sinks=True)
 
 
-@pytest.mark.parametrize("preload", [True, False], ids=["first-block-before-wait", "all-blocks-after-wait"])
+@pytest.mark.parametrize("preload,second_early", [(True, False), (True, True), (False, False)],
+                         ids=["first-block-before-wait", "second-block-early", "all-blocks-after-wait"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_with_and_without_the_preloaded_key_block(preload, splits):
+def test_decode_with_and_without_the_preloaded_key_block(preload, second_early, splits):
     """Decode launches load each split's first pooled block before the PDL wait and attend to it before
-    the new keys: same result as the plain loop order, with a window (the first block partly outside
-    it), a softcap, sinks, a context shorter than one block and a sequence with no pooled key."""
+    the new keys (and, ``second_block_early``, the second block's table entries before the wait and its
+    K/V right after q): same result as the plain loop order, with a window (the first block partly
+    outside it), a softcap, sinks, a context shorter than one block and a sequence with no pooled key."""
     seqs = [(37, 1), (2, 1), (16, 1), (0, 1), (63, 1), (20, 3)]
-    launch = AttentionLaunch(16, 16, splits, decode=True, preload_kv=preload)
+    launch = AttentionLaunch(16, 16, splits, decode=True, preload_kv=preload, second_block_early=second_early)
     _compare(seqs, 8, 2, 16, torch.float32, launch, page=4)
     _compare(seqs, 8, 2, 16, torch.float32, launch, page=8, window=9, softcap=3.0, sinks=True)
 
