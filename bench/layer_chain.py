@@ -261,22 +261,31 @@ def _summary(times: torch.Tensor) -> str:
     return f"{q[0]:7.2f} {q[1]:7.2f} {q[2]:7.2f}"
 
 
-def _mergers(buf: torch.Tensor, next_buf: torch.Tensor, t0: int) -> list[str]:
+def _mergers(buf: torch.Tensor, next_buf: torch.Tensor | None, t0: int) -> list[str]:
     """One line per program that merged its tile's splits (row: trace.program_index): its SM, its
-    arrival, loads and store, and how many programs of the next kernel (``next_buf``) had started on
-    that SM by the time it stored."""
+    arrival, loads and store, and (given ``next_buf``) how many programs of the next kernel had started
+    on that SM by the time it stored."""
     lines = []
     for row in (buf[:, 8] != trace.UNSET).nonzero().flatten().tolist():
         t = lambda e: (buf[row, e].item() - t0) / 1e3  # noqa: E731
         sm, stored = buf[row, 0].item(), buf[row, 5].item()
-        neighbours = int(((next_buf[:, 0] == sm) & (next_buf[:, 1] <= stored)).sum())
-        lines.append(f"    merger {row:4d} on SM {sm:3d}: arrived {t(4):6.2f} lse {t(8):6.2f} "
-                     f"parts {t(9):6.2f} stored {t(5):6.2f}; {neighbours} programs of the next kernel there")
+        line = (f"    merger {row:4d} on SM {sm:3d}: arrived {t(4):6.2f} lse {t(8):6.2f} "
+                f"parts {t(9):6.2f} stored {t(5):6.2f}")
+        if next_buf is not None:
+            neighbours = int(((next_buf[:, 0] == sm) & (next_buf[:, 1] <= stored)).sum())
+            line += f"; {neighbours} programs of the next kernel there"
+        lines.append(line)
     return lines
 
 
 EVENT_NAMES = {1: "start", 2: "after wait", 6: "q loaded", 7: "1st block", 3: "attended", 4: "arrived",
                8: "lse loaded", 9: "parts loaded", 5: "stored"}
+ATTENTION_EVENTS = (1, 2, 6, 7, 3, 4, 8, 9, 5)  # in program order, the last one the kernel's end
+GEMV_EVENTS = (1, 2, 3)
+
+
+def _event_lines(buf: torch.Tensor, events: tuple[int, ...], t0: int) -> list[str]:
+    return [f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, t0))}" for event in events]
 
 
 def _replay_traced(run, buffers) -> None:
@@ -314,16 +323,14 @@ def timeline(name: str, shape: dict, context: int, traced: range, gemvs: Gemvs =
     for index in traced:
         for role in ROLES:
             buf = traces[(index, role)].cpu()
-            events = (1, 2, 6, 7, 3, 4, 8, 9, 5) if role == "attention" else (1, 2, 3)
-            end_event = 5 if role == "attention" else 3
+            events = ATTENTION_EVENTS if role == "attention" else GEMV_EVENTS
             lines.append(f"  layer {index} {role:<9} ({buf.shape[0]} programs, "
                          f"{int((buf[:, 1] != trace.UNSET).sum())} traced, "
                          f"{len(set(buf[:, 0].tolist()))} SMs)")
-            for event in events:
-                lines.append(f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, previous_end))}")
+            lines += _event_lines(buf, events, previous_end)
             if role == "attention":
                 lines += _mergers(buf, traces[(index, "o")].cpu(), previous_end)
-            ends = buf[:, end_event]
+            ends = buf[:, events[-1]]
             if (ends != trace.UNSET).any():
                 previous_end = int(ends[ends != trace.UNSET].max())
     print("\n".join(lines), flush=True)
@@ -347,9 +354,8 @@ def attention_timeline(name: str, shape: dict, context: int, traced: range) -> l
         buf = traces[index].cpu()
         t0 = int(buf[:, 1][buf[:, 1] != trace.UNSET].min())
         lines.append(f"  layer {index} attention")
-        for event in (1, 2, 6, 7, 3, 4, 8, 9, 5):
-            lines.append(f"    {EVENT_NAMES[event]:<12}{_summary(_events(buf, event, t0))}")
-        lines += _mergers(buf, buf[:0], t0)
+        lines += _event_lines(buf, ATTENTION_EVENTS, t0)
+        lines += _mergers(buf, None, t0)
     print("\n".join(lines), flush=True)
     return lines
 

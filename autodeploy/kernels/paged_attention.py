@@ -161,7 +161,7 @@ def _paged_attention_kernel(
     if ROPE != ROPE_NONE:
         q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
                      stride_rt, ROPE, ROT_DIM, False)
-    if PRELOAD_KV and SECOND_EARLY:  # issued before the dots, so that DRAM's latency overlaps them
+    if SECOND_EARLY:  # (with PRELOAD_KV) issued before the dots, so that DRAM's latency overlaps them
         second_k, second_v = _load_pooled_block(second_keys, second_ok, second_page, cache_head, stride_cb,
                                                 stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
     trace.stamp(trace_ptr, 6, (tl.sum(q.to(tl.float32)) != 0).to(tl.int32), TRACE)
@@ -306,6 +306,7 @@ def paged_attention_fwd(
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
     rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
+    preload = launch.decode and launch.preload_kv
     _paged_attention_kernel[grid](
         out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
         context_lens, cu_seqlens, block_table, slot_mapping,
@@ -322,7 +323,7 @@ def paged_attention_fwd(
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
-        PRELOAD_KV=launch.decode and launch.preload_kv, SECOND_EARLY=launch.second_block_early, TRIGGER=int(launch.trigger),
+        PRELOAD_KV=preload, SECOND_EARLY=preload and launch.second_block_early, TRIGGER=int(launch.trigger),
         TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )

@@ -112,10 +112,7 @@ def _load_key_block(
     else:
         row = (keys + new_row0).to(tl.int64)  # input row of key j: cu_seqlens[b] + j - context_len
         k_src = k_head + row * stride_kt
-        # V is issued right after K, not after the K dot: both loads are in flight together
-        k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        v = tl.load(v_head + row[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                    other=0.0)
+        k_t, v = _load_kv_rows(k_src, v_head + row * stride_vt, key_ok, dims, dim_ok)
         if ROPE != ROPE_NONE:
             k_t = _rotated(k_t, k_src, row, key_ok, dims, cos_ptr, sin_ptr, stride_rt, ROPE, ROT_DIM, True)
         cache_ty = cache_head.dtype.element_ty
@@ -129,8 +126,14 @@ def _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, str
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of pooled ``keys`` whose block-table entries
     (``page``, one per key) are already loaded."""
     k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
-    v_src = k_src + stride_ckv
-    # V is issued right after K, not after the K dot: both loads are in flight together
+    return _load_kv_rows(k_src, k_src + stride_ckv, key_ok, dims, dim_ok)
+
+
+@triton.jit
+def _load_kv_rows(k_src, v_src, key_ok, dims, dim_ok):
+    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] from one row pointer per key (masked-out keys 0).
+
+    V is issued right after K, not after the K dot: both loads are in flight together."""
     k_t = tl.load(k_src[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
     v = tl.load(v_src[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
     return k_t, v
