@@ -221,11 +221,15 @@ def variants():
     yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs,
            dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096), 4, 1)
     norm_ptrs = bf16_ptrs("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")
-    yield ("rms_norm 4096", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=False), 8, 1)
-    yield ("add + rms_norm 4096", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=True), 8, 1)
+    pdl_on = {"launch_pdl": True}
+    yield ("rms_norm 4096 (PDL)", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=False, PDL=True),
+           8, 1, pdl_on)
+    yield ("add + rms_norm 4096 (PDL)", norm._rms_norm_kernel, norm_ptrs,
+           dict(BLOCK=4096, HAS_RESIDUAL=True, PDL=True), 8, 1, pdl_on)
     act_ptrs = bf16_ptrs("gate_ptr", "up_ptr", "out_ptr")
     for act, ident in activation.ACTIVATION_IDS.items():
-        yield (f"act_mul {act}", activation._act_mul_kernel, act_ptrs, dict(ACTIVATION=ident, BLOCK=1024), 4, 1)
+        yield (f"act_mul {act} (PDL)", activation._act_mul_kernel, act_ptrs,
+               dict(ACTIVATION=ident, BLOCK=1024, PDL=True), 4, 1, pdl_on)
     rope_ptrs = bf16_ptrs("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")
     rope_const = dict(HEAD_DIM=128, ROT_DIM=128, BLOCK_ROWS=16, BLOCK_D=128)
     for interleaved in (False, True):

@@ -1,6 +1,6 @@
 """Triton gated activation: ``out = act(gate) * up`` (SwiGLU / GeGLU), one fused elementwise pass.
 
-``gate`` and ``up`` are [rows, I] views with unit column stride; they may be the two halves of one
+Launched under PDL (``kernels/pdl.py``). ``gate`` and ``up`` are [rows, I] views with unit column stride; they may be the two halves of one
 fused gate/up GEMM output (row stride 2I), so the split costs no copy. Math in fp32, one rounding.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from . import pdl
 
 ACTIVATION_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 BLOCK = 1024
@@ -21,7 +23,9 @@ def _tanh(x):
 
 @triton.jit
 def _act_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols,
-                    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+                    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.allow_dependents(PDL)  # the next kernel (a GEMM's weight preload) may start meanwhile
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,5 +57,6 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> t
     if out.numel():
         grid = (gate2.shape[0], triton.cdiv(n_cols, BLOCK))
         _act_mul_kernel[grid](gate2, up2, out, gate2.stride(0), up2.stride(0), out.stride(0), n_cols,
-                              ACTIVATION=ACTIVATION_IDS[activation], BLOCK=BLOCK, num_warps=4)
+                              ACTIVATION=ACTIVATION_IDS[activation], BLOCK=BLOCK, num_warps=4,
+                              **pdl.launch_options(out.device))
     return out.view(*gate.shape)

@@ -104,12 +104,14 @@ class AttentionLaunch:
         if latency_bound:
             block_n = min(block_n, 32)
         splits = _num_splits(tiles, max_kv_len, target)
-        preload = latency_bound and element_size <= 2 and _preload_allowed()
-        return cls(block_m, block_n, splits, warps, stages, decode, preload)
+        preload = latency_bound and element_size <= 2 and _flag("AUTODEPLOY_ATTN_PRELOAD_KV", True)
+        second_early = preload and _flag("AUTODEPLOY_ATTN_SECOND_EARLY", False)
+        return cls(block_m, block_n, splits, warps, stages, decode, preload, second_early)
 
 
-def _preload_allowed() -> bool:
-    return os.environ.get("AUTODEPLOY_ATTN_PRELOAD_KV", "1") != "0"
+def _flag(name: str, default: bool) -> bool:
+    """An on/off environment switch for A/B runs of a launch choice ("0" off, "1" on)."""
+    return os.environ.get(name, "1" if default else "0") != "0"
 
 
 def _num_splits(tiles: int, max_kv_len: int, target_programs: int) -> int:

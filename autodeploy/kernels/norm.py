@@ -1,6 +1,7 @@
 """Triton RMSNorm, optionally fused with the residual add that precedes it.
 
-One program per row (the hidden size fits one block: 16 KiB of fp32 at hidden 4096). Math in fp32
+One program per row (the hidden size fits one block: 16 KiB of fp32 at hidden 4096), launched under
+PDL (``kernels/pdl.py``) so that the GEMM after it can load weights meanwhile. Math in fp32
 as the reference op (``autodeploy::rms_norm``); the fused variant rounds ``x + residual`` to its
 output dtype first, so the normalised value is computed from exactly the sum it returns.
 """
@@ -11,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, stride_o, stride_s, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.allow_dependents(PDL)  # the next kernel (a GEMM's weight preload) may start meanwhile
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,7 +49,7 @@ def _launch(x, residual, weight, out, summed, eps):
     _rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, summed,
         x.stride(0), residual.stride(0), out.stride(0), summed.stride(0), n_cols, float(eps),
-        BLOCK=block, HAS_RESIDUAL=residual is not x, num_warps=warps,
+        BLOCK=block, HAS_RESIDUAL=residual is not x, num_warps=warps, **pdl.launch_options(x.device),
     )
 
 

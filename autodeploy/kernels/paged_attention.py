@@ -397,24 +397,25 @@ def _padded_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tenso
     return storage[..., :shape[-1]]
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still use them
 
 
-def split_counters(size: int, device: torch.device) -> torch.Tensor:
-    """At least ``size`` int32 arrival counters of the split merge on ``device``, all zero.
+def split_counters(size: int, device: torch.device, owner: str = "attention") -> torch.Tensor:
+    """At least ``size`` int32 arrival counters of the split merge on ``device``, all zero (one buffer
+    per ``owner``: each kernel that merges splits this way keeps its own).
 
     Persistent and zeroed once, not per call: every launch leaves its counters at zero again. A
     buffer is replaced (by one of the next power of two) only when too small; the old one stays
     alive for the graphs captured with it. Launches that share a device share the counters, so two
     split launches must not run concurrently on different streams of one device.
     """
-    buffer = _COUNTERS.get(device)
+    buffer = _COUNTERS.get((device, owner))
     if buffer is None or buffer.numel() < size:
         if buffer is not None:
             _RETIRED_COUNTERS.append(buffer)
         # Outside a capture this is a one-time memset; inside one (a size the warm-up did not
         # allocate) the memset is captured too and re-zeroes the fresh buffer on every replay.
         buffer = torch.zeros(triton.next_power_of_2(size), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buffer
+        _COUNTERS[(device, owner)] = buffer
     return buffer

@@ -68,3 +68,22 @@ def test_layer_chain_variants_compute_the_same_step():
         torch.testing.assert_close(got, first, atol=1e-4, rtol=1e-4)
     for _, launch, _ in layer_chain.variants(shape, device="cpu")[2:5]:
         assert layer_chain.check_attention(layers[0], step, shape, launch) < 1e-5
+
+
+def test_skinny_chain_equals_its_cublas_chain():
+    """skinny_gpu's chain with the tensor-core GEMM (a few launch configs) computes the cuBLAS chain's step."""
+    import gemv_gpu
+    import skinny_gpu
+
+    def w(n, k):
+        return torch.randn(n, k) / k**0.5
+
+    layers = [gemv_gpu.Layer(w(48, 32), w(32, 32), w(64, 32), w(32, 32), 1 + 0.1 * torch.randn(32),
+                             1 + 0.1 * torch.randn(32)) for _ in range(2)]
+    x, res = torch.randn(4, 32), torch.randn(4, 32)
+    want = skinny_gpu.step(layers, x, res, None)
+    for config in (skinny_gpu.Config(block_n=16, block_k=16, num_stages=2),
+                   skinny_gpu.Config(block_n=16, block_k=16, num_stages=2, per_sm=4)):
+        got = skinny_gpu.step(layers, x, res, config)
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t, atol=1e-4, rtol=1e-4)
