@@ -175,16 +175,47 @@ def _attend_range(
     DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr, ROPE: tl.constexpr,
     ROT_DIM: tl.constexpr,
 ):
-    """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out)."""
-    for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < kv_hi
-        k_t, v = _load_key_block(keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head,
-                                 v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr,
-                                 stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM)
-        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
-                                      HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
+    """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out).
+
+    Pooled keys: each block's block-table entries are loaded one iteration ahead, so that the
+    pipelined K/V copies of the next block need no table round trip of their own."""
+    if FROM_POOL:
+        page = _block_pages(table, lo, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW)
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < kv_hi
+            next_page = _block_pages(table, start + BLOCK_N, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW)
+            k_t, v = _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, stride_ckv, dims,
+                                        dim_ok, PAGE_SIZE)
+            acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
+                                          HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
+            page = next_page
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < kv_hi
+            k_t, v = _load_key_block(keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head,
+                                     v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr,
+                                     stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM)
+            acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
+                                          HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _block_pages(table, start, kv_hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The block-table entry of each key start, start + 1, ... of a block (0 past kv_hi), as int32.
+
+    Where a block spans whole pages, one entry per page is loaded and repeated for its keys: a few
+    values to keep across an iteration of the key loop instead of one per key. Blocks start at
+    multiples of BLOCK_N unless a sliding window starts them (``_split_keys``)."""
+    if BLOCK_N % PAGE_SIZE == 0 and BLOCK_N > PAGE_SIZE and not HAS_WINDOW:
+        PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+        first = start // PAGE_SIZE + tl.arange(0, PAGES)
+        pages = tl.load(table + first, mask=first * PAGE_SIZE < kv_hi, other=0).to(tl.int32)
+        return tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, PAGE_SIZE)), (BLOCK_N,))
+    keys = start + tl.arange(0, BLOCK_N)
+    return tl.load(table + keys // PAGE_SIZE, mask=keys < kv_hi, other=0).to(tl.int32)
 
 
 @triton.jit
