@@ -4,7 +4,7 @@ on the tensor cores, under PDL (bench/skinny_gpu.py measures it against cuBLAS; 
 
 ``out[M, N] = x[M, K] @ W[N, K].T (+ bias)``. At these shapes a linear costs its weight stream: at 64
 rows of the 8B shape cuBLAS streams qkv at 2.9 TB/s, the o projection at 2.7 and down (split-K plus
-a reduce kernel) at 3.2 against 4.28 for a copy (H200, bench/gemm_sweep.py, 2026-12-04), because a
+a reduce kernel) at 3.1 against 4.28 for a copy (H200, bench/gemm_sweep.py, 2026-12-04), because a
 kernel of 8-37 us loses several microseconds to its launch and ramp, and a cuBLAS kernel cannot start
 before the kernel before it ends. Here, as in the GEMV (``autodeploy/kernels/gemv.py``), every program loads its
 first weight tile before the PDL wait, so the ramp overlaps the previous kernel's tail.
