@@ -26,15 +26,22 @@ def test_rotary_rows_are_the_rotation_of_each_tokens_position():
     torch.testing.assert_close(sin[:, 0].float(), want.sin(), atol=1e-2, rtol=0)
 
 
-def test_gemv_chain_variants_compute_the_same_step():
-    """gemv_gpu's fused chain (fused GEMVs, o as a GEMV or not) equals its unfused cuBLAS chain."""
+def _tiny_linear_layers(count: int = 2):
+    """gemv_gpu.Layer weights of a hidden-32 model (qkv 48, intermediate 32) for the chain benchmarks."""
     import gemv_gpu
 
     def w(n, k):
         return torch.randn(n, k) / k**0.5
 
-    layers = [gemv_gpu.Layer(w(48, 32), w(32, 32), w(64, 32), w(32, 32), 1 + 0.1 * torch.randn(32),
-                             1 + 0.1 * torch.randn(32)) for _ in range(2)]
+    return [gemv_gpu.Layer(w(48, 32), w(32, 32), w(64, 32), w(32, 32), 1 + 0.1 * torch.randn(32),
+                           1 + 0.1 * torch.randn(32)) for _ in range(count)]
+
+
+def test_gemv_chain_variants_compute_the_same_step():
+    """gemv_gpu's fused chain (fused GEMVs, o as a GEMV or not) equals its unfused cuBLAS chain."""
+    import gemv_gpu
+
+    layers = _tiny_linear_layers()
     x, res = torch.randn(2, 32), torch.randn(2, 32)
     want = gemv_gpu.step(layers, x, res, gemv_gpu.Variant("cublas", fused=False), None)
     for variant in gemv_gpu.VARIANTS[1:]:
@@ -72,14 +79,9 @@ def test_layer_chain_variants_compute_the_same_step():
 
 def test_skinny_chain_equals_its_cublas_chain():
     """skinny_gpu's chain with the tensor-core GEMM (a few launch configs) computes the cuBLAS chain's step."""
-    import gemv_gpu
     import skinny_gpu
 
-    def w(n, k):
-        return torch.randn(n, k) / k**0.5
-
-    layers = [gemv_gpu.Layer(w(48, 32), w(32, 32), w(64, 32), w(32, 32), 1 + 0.1 * torch.randn(32),
-                             1 + 0.1 * torch.randn(32)) for _ in range(2)]
+    layers = _tiny_linear_layers()
     x, res = torch.randn(4, 32), torch.randn(4, 32)
     want = skinny_gpu.step(layers, x, res, None)
     for config in (skinny_gpu.Config(block_n=16, block_k=16, num_stages=2),
