@@ -7,6 +7,8 @@ import time
 
 import httpx
 
+from autodeploy.serve import serving_common
+
 
 async def _stream_to_end(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str | None]:
     body = {"prompt": [3 + i % 50, 4, 5 + i % 7], "max_tokens": 6, "ignore_eos": True, "stream": True,
@@ -73,7 +75,10 @@ def _aborted(live) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_a_non_streaming_client_that_leaves_frees_its_blocks(live):
+def test_a_non_streaming_client_that_leaves_frees_its_blocks(live, monkeypatch):
+    # the server looks for the disconnect every DISCONNECT_POLL_SECONDS (0.5 s); 220 tokens can take
+    # less than that on the CPU, and a request that finishes first is no abort: poll often here
+    monkeypatch.setattr(serving_common, "DISCONNECT_POLL_SECONDS", 0.02)
     body = {"prompt": [5, 6, 7], "max_tokens": 220, "ignore_eos": True}
     aborted_before = _aborted(live)
     try:
