@@ -6,8 +6,8 @@ on the tensor cores, under PDL (bench/skinny_gpu.py measures it against cuBLAS; 
 rows of the 8B shape cuBLAS streams qkv at 2.9 TB/s, the o projection at 2.7 and down (split-K plus
 a reduce kernel) at 3.1 against 4.28 for a copy (H200, bench/gemm_sweep.py, 2026-12-04), because a
 kernel of 8-37 us loses several microseconds to its launch and ramp, and a cuBLAS kernel cannot start
-before the kernel before it ends. Here, as in the GEMV (``autodeploy/kernels/gemv.py``), every program loads its
-first weight tile before the PDL wait, so the ramp overlaps the previous kernel's tail.
+before the kernel before it ends. Here, as in the GEMV (``autodeploy/kernels/gemv.py``), every program
+loads its first weight tile before the PDL wait, so the ramp overlaps the previous kernel's tail.
 
 One program computes ``BLOCK_N`` output features of every row (``BLOCK_M`` >= M, padded rows masked)
 over a K range. Where the column tiles alone would leave SMs idle (the o and down projections have
@@ -114,20 +114,14 @@ class SkinnyLaunch:
     trigger: Trigger = Trigger.AFTER_WAIT
 
     @classmethod
-    def choose(cls, m: int, n: int, k: int, sm_count: int) -> "SkinnyLaunch":
-        """128-feature tiles of 64-wide K blocks; K split until the grid gives every SM a program."""
-        block_n, block_k = 128, 64
+    def choose(cls, m: int, n: int, k: int, sm_count: int, block_n: int = 128, block_k: int = 64,
+               programs_per_sm: float = 1.0, **options) -> "SkinnyLaunch":
+        """Tiles of ``block_n`` features x ``block_k``-wide K blocks, K split until the grid has
+        ``programs_per_sm`` programs per SM; ``options``: the other fields."""
         tiles = triton.cdiv(n, block_n)
-        k_blocks = triton.cdiv(k, block_k)
-        split = max(1, min(k_blocks, sm_count // tiles)) if tiles < sm_count else 1
-        return cls(block_n, block_k, split)
-
-
-def rows_ok(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
-    """Whether ``skinny_gemm`` handles this linear: 2..max_rows rows, a row-major half-precision weight."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (2 <= rows <= min(max_rows, MAX_ROWS) and weight.dim() == 2 and weight.stride(-1) == 1
-            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16))
+        target = int(programs_per_sm * sm_count)
+        split = max(1, min(triton.cdiv(k, block_k), target // tiles)) if tiles < target else 1
+        return cls(block_n, block_k, split, **options)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -163,7 +157,8 @@ def _launch(rows, weight, bias, out, launch: SkinnyLaunch):
         m, n, k, k_per_split, rows.stride(0), weight.stride(0), out.stride(0),
         parts.stride(0) if splits > 1 else 0, parts.stride(1) if splits > 1 else 0,
         HAS_BIAS=bias is not None, EVEN_K=k % launch.block_k == 0, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, SPLIT_K=splits, DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+        BLOCK_K=launch.block_k, SPLIT_K=splits,
+        DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
         TRIGGER=int(launch.trigger), num_warps=launch.num_warps, num_stages=launch.num_stages,
         **pdl.launch_options(rows.device),
     )

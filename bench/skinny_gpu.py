@@ -47,7 +47,8 @@ def copy_tbps() -> float:
 
 @dataclass(frozen=True)
 class Config:
-    """A launch config for every projection: tiles, warps, stages, and K split until programs >= per_sm x SMs."""
+    """A launch config for every projection: tiles, warps, stages, and K split until programs >= per_sm x
+    SMs (``SkinnyLaunch.choose``)."""
 
     block_n: int = 128
     block_k: int = 64
@@ -56,17 +57,16 @@ class Config:
     per_sm: float = 1.0
 
     def launch(self, m: int, n: int, k: int) -> sg.SkinnyLaunch:
-        tiles = -(-n // self.block_n)
-        target = int(self.per_sm * sm_count())
-        split = max(1, min(-(-k // self.block_k), target // tiles)) if tiles < target else 1
-        return sg.SkinnyLaunch(self.block_n, self.block_k, split, self.num_warps, self.num_stages)
+        return sg.SkinnyLaunch.choose(m, n, k, sm_count(), self.block_n, self.block_k, self.per_sm,
+                                      num_warps=self.num_warps, num_stages=self.num_stages)
 
     def __str__(self) -> str:
         return f"n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} x{self.per_sm:g}"
 
 
 def single(rows_list) -> None:
-    print(f"{'proj':<8}{'M':>4}  {'cuBLAS us':>10}{'TB/s':>6}  {'skinny us':>10}{'TB/s':>6}  launch (choose)      err")
+    print(f"{'proj':<8}{'M':>4}  {'cuBLAS us':>10}{'TB/s':>6}  {'skinny us':>10}{'TB/s':>6}  "
+          "launch (choose)      err")
     for name, (n, k) in PROJECTIONS.items():
         ws = [torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5 for _ in range(sets_for(2 * n * k, cap=8))]
         for m in rows_list:
@@ -112,11 +112,13 @@ def time_chain(layers, m: int, config: Config | None, pdl: bool) -> tuple[float,
 def chain(layers, rows_list, configs, copy: float) -> None:
     weights = sum(layer.bytes for layer in layers)
     floor_us = weights / (copy * 1e12) * 1e6
-    print(f"chain: {len(layers)} layers, {weights / 1e9:.2f} GB of linear weights, floor {floor_us / 1e3:.3f} ms")
+    print(f"chain: {len(layers)} layers, {weights / 1e9:.2f} GB of linear weights, "
+          f"floor {floor_us / 1e3:.3f} ms")
     for m in rows_list:
         base = None
         runs = [("cublas", None, False), ("cublas, norms under PDL", None, True)]
-        runs += [(f"skinny {c}", c, True) for c in configs] + [(f"skinny {configs[0]}, no PDL", configs[0], False)]
+        runs += [(f"skinny {c}", c, True) for c in configs]
+        runs.append((f"skinny {configs[0]}, no PDL", configs[0], False))
         for label, config, pdl in runs:
             try:
                 us, out = time_chain(layers, m, config, pdl)
@@ -128,7 +130,8 @@ def chain(layers, rows_list, configs, copy: float) -> None:
                   f"{floor_us / us:>5.0%} of floor  out vs cublas {rel_err(out, base):.1e}", flush=True)
 
 
-SWEEP = [Config(), Config(num_stages=3), Config(num_stages=5), Config(per_sm=2), Config(block_k=128, num_warps=8),
+SWEEP = [Config(), Config(num_stages=3), Config(num_stages=5), Config(per_sm=2),
+         Config(block_k=128, num_warps=8),
          Config(block_k=128, num_warps=8, num_stages=3), Config(block_n=64), Config(block_n=64, per_sm=2),
          Config(block_n=256, num_warps=8, num_stages=3), Config(num_warps=8)]
 

@@ -1,7 +1,8 @@
 """Triton gated activation: ``out = act(gate) * up`` (SwiGLU / GeGLU), one fused elementwise pass.
 
-Launched under PDL (``kernels/pdl.py``). ``gate`` and ``up`` are [rows, I] views with unit column stride; they may be the two halves of one
-fused gate/up GEMM output (row stride 2I), so the split costs no copy. Math in fp32, one rounding.
+Launched under PDL (``kernels/pdl.py``). ``gate`` and ``up`` are [rows, I] views with unit column
+stride; they may be the two halves of one fused gate/up GEMM output (row stride 2I), so the split
+costs no copy. Math in fp32, one rounding.
 """
 
 from __future__ import annotations

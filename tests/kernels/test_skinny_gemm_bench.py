@@ -60,14 +60,6 @@ def test_too_many_rows_is_an_error():
         skinny_gemm(torch.randn(sg.MAX_ROWS + 1, 16), torch.randn(8, 16))
 
 
-def test_rows_ok_takes_decode_batches_in_half_precision_only():
-    w = torch.randn(8, 16, dtype=torch.bfloat16)
-    assert sg.rows_ok(torch.randn(64, 16, dtype=torch.bfloat16), w)
-    assert not sg.rows_ok(torch.randn(1, 16, dtype=torch.bfloat16), w)  # one row: the GEMV's
-    assert not sg.rows_ok(torch.randn(65, 16, dtype=torch.bfloat16), w)
-    assert not sg.rows_ok(torch.randn(8, 16), w.float())  # fp32: cuBLAS
-
-
 def test_choose_splits_k_only_when_tiles_leave_sms_idle():
     assert SkinnyLaunch.choose(64, 28672, 4096, 132).split_k == 1  # gate/up: 224 tiles
     o_proj = SkinnyLaunch.choose(64, 4096, 4096, 132)  # 32 tiles
