@@ -13,8 +13,8 @@
 On CUDA a call of at most ``GEMV_MAX_ROWS`` rows on a weight of at most ``GEMV_MAX_WEIGHT_BYTES``
 is one Triton GEMV with the norm or the activation fused into its operand loads
 (``autodeploy.kernels.gemv``): one launch instead of two. Other calls, and the CPU, run the pieces:
-the norm or activation op (its Triton kernel on CUDA), then the GEMM. Each op is exactly its
-composition on the CPU.
+the norm or activation op (its Triton kernel on CUDA), then the GEMM, through cuBLAS or cuBLASLt as
+timed for its shape (``blas_choice``). Each op is exactly its composition on the CPU.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import use_triton
+from .blas_choice import linear as _gemm
 from .mlp import gated_activation
 from .norm import fused_add_rms_norm, rms_norm
 
@@ -65,7 +65,7 @@ def rms_norm_linear(
     if gemv is not None:
         prologue = gemv.Prologue.RMS_NORM
         return gemv.gemv(x, weight, bias, prologue=prologue, norm_weight=norm_weight, eps=eps)[0]
-    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+    return _gemm(rms_norm(x, norm_weight, eps), weight, bias)
 
 
 @rms_norm_linear.register_fake
@@ -87,7 +87,7 @@ def add_rms_norm_linear(
         return gemv.gemv(x, weight, bias, prologue=gemv.Prologue.ADD_RMS_NORM, residual=residual,
                          norm_weight=norm_weight, eps=eps)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), summed
+    return _gemm(normed, weight, bias), summed
 
 
 @add_rms_norm_linear.register_fake
@@ -102,7 +102,7 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "
     if gemv is not None:
         return gemv.gemv(gate_up, w_down, prologue=gemv.Prologue.GATED, activation=activation)[0]
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(gated_activation(gate, up, activation), w_down)
+    return _gemm(gated_activation(gate, up, activation), w_down)
 
 
 @swiglu_down.register_fake
@@ -115,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gemv = _gemv_kernels(x, weight)
     if gemv is not None:
         return gemv.gemv(x, weight, bias)[0]
-    return F.linear(x, weight, bias)
+    return _gemm(x, weight, bias)
 
 
 @linear.register_fake
