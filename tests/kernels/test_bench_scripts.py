@@ -89,3 +89,16 @@ def test_skinny_chain_equals_its_cublas_chain():
         got = skinny_gpu.step(layers, x, res, config)
         for g, t in zip(got, want):
             torch.testing.assert_close(g, t, atol=1e-4, rtol=1e-4)
+
+
+def test_blas_table_shapes_are_the_decode_bench_models_linears():
+    """bench/blas_gpu.py times the (N, K) of every linear of the decode benchmark's model shapes."""
+    import blas_gpu
+    from decode_bench import llama_config
+
+    for name, linears in blas_gpu.SHAPES.items():
+        cfg = llama_config(name)
+        h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+        assert linears == {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h),
+                           "o": (h, cfg.num_attention_heads * d), "gate_up": (2 * inter, h),
+                           "down": (h, inter), "lm_head": (cfg.vocab_size, h)}
