@@ -36,7 +36,9 @@ import torch.nn.functional as F
 log = logging.getLogger("autodeploy.blas")
 
 CUBLAS, CUBLASLT = "cublas", "cublaslt"
-MAX_TUNED_ROWS = 512  # larger GEMMs (prefill) stay on cuBLAS: it won every one measured
+# Larger GEMMs stay on cuBLAS: at 8,192 rows it won every projection, and eager prefill steps meet
+# many row counts (timing each new bucket there would stall a step).
+MAX_TUNED_ROWS = 512
 MARGIN = 0.08  # cuBLASLt must be this much faster (see the module docstring)
 TIMED_CALLS = 16
 
@@ -96,7 +98,11 @@ class BlasChooser:
 
     def _choose(self, run: Callable[[int], object]) -> str:
         cublas = self._timer(CUBLAS, run)
-        lt = self._timer(CUBLASLT, run)
+        try:
+            lt = self._timer(CUBLASLT, run)
+        except RuntimeError as exc:  # e.g. no cuBLASLt algorithm for this shape or alignment
+            log.debug("cuBLASLt cannot run this GEMM (%s): cuBLAS", exc)
+            return CUBLAS
         return CUBLASLT if lt < cublas * (1 - self.margin) else CUBLAS
 
 

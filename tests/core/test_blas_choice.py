@@ -50,6 +50,16 @@ def test_cublaslt_must_win_by_the_margin():
     assert choice(cublas=0.9, lt=1.0) == CUBLAS
 
 
+def test_a_shape_cublaslt_cannot_run_stays_on_cublas():
+    def timer(backend, run):
+        if backend == CUBLASLT:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return 1.0
+
+    chooser = BlasChooser(timer, mode="auto")
+    assert chooser.lookup(key(64), lambda: int) == CUBLAS and chooser.choices == {key(64): CUBLAS}
+
+
 def test_nothing_is_timed_or_remembered_during_a_capture():
     timer = FakeTimer(cublas=2.0, lt=1.0)
     chooser = BlasChooser(timer, mode="auto")
