@@ -83,6 +83,9 @@ class BlasChooser:
             return self.mode
         key = GemmKey(x.device.index or 0, x.dtype, rows_bucket(rows), weight.shape[0], weight.shape[1],
                       bias is not None)
+        choice = self.choices.get(key)  # the common case: no capture query on every eager call
+        if choice is not None:
+            return choice
         capturing = torch.cuda.is_current_stream_capturing()
         return self.lookup(key, lambda: _timed_call(x, weight, bias), capturing=capturing)
 
