@@ -80,18 +80,18 @@ def _fuse(gm: fx.GraphModule, norm: fx.Node, normed: fx.Node, summed: fx.Node | 
     for node in late:  # weight and bias are ready where the norm was
         norm.prepend(node)
     with graph.inserting_before(norm):
-        if summed is None:
+        if norm.target == RMS_NORM:
             new = graph.call_function(RMS_NORM_LINEAR, (x, *rest, weight, bias))
             created = [new]
-        else:
+        else:  # the sum is read only when something used fused_add_rms_norm(...)[1]
             new = graph.call_function(ADD_RMS_NORM_LINEAR, (x, *rest, weight, bias))
-            out = graph.call_function(operator.getitem, (new, 0))
-            new_sum = graph.call_function(operator.getitem, (new, 1))
-            created = [new, out, new_sum]
+            created = [new, graph.call_function(operator.getitem, (new, 0))]
+            if summed is not None:
+                created.append(graph.call_function(operator.getitem, (new, 1)))
     propagate_meta(gm, created)
     for node in created:
         node.meta["autodeploy_provenance"] = "fuse_norm_linear"
-    linear.replace_all_uses_with(created[0] if summed is None else created[1])
+    linear.replace_all_uses_with(created[0] if norm.target == RMS_NORM else created[1])
     if summed is not None:
         summed.replace_all_uses_with(created[2])
     return None

@@ -31,12 +31,14 @@ from .norm import fused_add_rms_norm, rms_norm
 # Where the GEMV beats norm/activation kernel + cuBLAS on the H200 (docs/perf.md, 2026-12-03): one
 # row. All linears of a SmolLM2-135M step (1-3.5 MB weights): 0.249 ms against 0.660; of a
 # Llama-3.1-8B step (34-235 MB): 3.47 ms against 3.98 (4 x 1024 tiles, the first one loaded before
-# the PDL wait). Larger weights were not measured: they stay on cuBLAS. At 4 rows it lost on both
+# the PDL wait). The 8B LM head (1.05 GB, the final norm folded in): engine step 3.932 / 3.938 ms
+# against 3.943 / 3.940 with the head on cuBLAS after a norm kernel (2026-12-04, one machine, two
+# rounds). Larger weights were not measured: they stay on cuBLAS. At 4 rows it lost on both
 # shapes (each program applies the prologue to every row).
 # AUTODEPLOY_GEMV_MAX_ROWS=0 turns the GEMV off, AUTODEPLOY_GEMV_MAX_WEIGHT_MB sets the weight cap
 # (read once: the check sits on every linear's path).
 GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_GEMV_MAX_ROWS", "1"))
-GEMV_MAX_WEIGHT_BYTES = int(float(os.environ.get("AUTODEPLOY_GEMV_MAX_WEIGHT_MB", "256")) * (1 << 20))
+GEMV_MAX_WEIGHT_BYTES = int(float(os.environ.get("AUTODEPLOY_GEMV_MAX_WEIGHT_MB", "2048")) * (1 << 20))
 
 
 def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):

@@ -74,3 +74,17 @@ def test_a_weight_computed_from_the_residual_sum_stays():
 
     check = check_rewrite(SumScaledWeight(), _inputs(4), fuse_norm_linear, expected_matches=0)
     assert check.result.reasons and "depends on the norm" in check.result.reasons[0]
+
+
+def test_an_add_norm_whose_sum_nobody_reads_folds_without_the_sum():
+    """The final norm after gather_logits moved the gather above it: its sum has no consumer."""
+    class GatheredFinalNorm(FusedDecoderLayer):
+        def forward(self, x):
+            normed, _ = ops.fused_add_rms_norm(x, x * 0.5, self.w_final, 1e-6)
+            return F.linear(normed, self.qkv)
+
+    check = check_rewrite(GatheredFinalNorm(), _inputs(4), fuse_norm_linear, expected_matches=1,
+                          second_inputs=_inputs(2), dynamic={0: 1})
+    (fused,) = check.gm.graph.find_nodes(op="call_function", target=ops.add_rms_norm_linear.default)
+    assert [u.args[1] for u in fused.users] == [0]
+    assert check.count(ops.fused_add_rms_norm.default) == 0
