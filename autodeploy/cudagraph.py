@@ -40,24 +40,42 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.graphs: dict[int, _Captured] = {}
         self.capture_seconds = 0.0
+        self.precompiled = 0  # kernels compiled on threads before the captures
 
-    def capture(self) -> None:
+    def capture(self, compile_threads: int = 1) -> None:
+        """Capture every batch size, largest first. With ``compile_threads`` > 1 the Triton kernels the
+        warm-up forwards would compile one at a time (a fresh host: 1-3 s each) compile on that many
+        threads first (``kernels/precompile.py``)."""
         start = time.perf_counter()
+        sizes = sorted(self.batch_sizes, reverse=True)
+        statics = {size: self._static_step(size) for size in sizes}
+        if compile_threads > 1:
+            from .kernels.precompile import compile_in_parallel
+
+            def forwards():
+                with torch.inference_mode():
+                    for _, _, inputs in statics.values():
+                        self.gm(**inputs)
+
+            self.precompiled = compile_in_parallel(forwards, compile_threads)
         memory_pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.batch_sizes, reverse=True):
-            self.graphs[size] = self._capture_one(size, memory_pool)
+        for size in sizes:
+            self.graphs[size] = self._capture_one(*statics[size], memory_pool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.batch_sizes, self.capture_seconds)
 
-    def _capture_one(self, size: int, memory_pool) -> _Captured:
+    def _static_step(self, size: int) -> tuple[StepBuffers, Padding, dict[str, torch.Tensor]]:
+        """The captured step's input buffers: one real dummy sequence writing block 0 (overwritten
+        before anyone reads it), the rest padding."""
         pad = Padding(num_tokens=size, num_seqs=size, max_blocks=self.max_blocks)
         device = self.pool.caches[0].device
         buffers = StepBuffers(pad.metadata_size, device)
-        # one real dummy sequence writing block 0 (overwritten before anyone reads it), rest padding
         static = BatchMetadata.build([SequenceChunk((0,), 0, (0,))], self.pool.block_size, device, pad=pad,
                                      buffers=buffers)
-        inputs = {**static.as_kwargs(), **self.pool.as_kwargs()}
+        return buffers, pad, {**static.as_kwargs(), **self.pool.as_kwargs()}
+
+    def _capture_one(self, buffers: StepBuffers, pad: Padding, inputs: dict, memory_pool) -> _Captured:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():

@@ -17,11 +17,17 @@ import time
 
 CHILD = """
 import sys, time
+started = time.time()
 from autodeploy import LLM, SamplingParams
+imported = time.time()
 llm = LLM(sys.argv[1], weights="random", dtype="bfloat16", max_seq_len=4096)
+built = time.time()
 out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))
 print("FIRST_TOKEN", time.time(), out[0].outputs[0].token_ids, flush=True)
 print(llm.model.report.pass_table(), flush=True)
+stages = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model.report.stage_seconds.items())
+print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} s; "
+      f"LLM() {built - imported:.1f} s ({stages}); first token {time.time() - built:.1f} s", flush=True)
 """
 
 
@@ -42,6 +48,10 @@ def main() -> None:
         sys.exit(1)
     seconds = float(first[0].split()[1]) - start
     print(proc.stdout.split("\n", 1)[1] if "\n" in proc.stdout else "")
+    stages = next((line for line in proc.stdout.splitlines() if line.startswith("STAGES")), "")
+    if stages:  # the interpreter's own start (process spawn, site imports) before the first line ran
+        started = float(stages.split()[3].rstrip(";"))
+        print(f"process start to the child's first line: {started - start:.1f} s")
     print(json.dumps({"shape": args.shape, "cold_start_s": round(seconds, 1)}))
 
 

@@ -9,6 +9,7 @@ peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ class AllocateKVCache(Pass):
         specs, cfg = ctx.artifacts["kv_specs"], ctx.config
         block_size, max_seq_len = cfg.tokens_per_block, ctx.artifacts["max_seq_len"]
         blocks_per_seq = blocks_needed(max_seq_len, block_size)
+        start = time.perf_counter()
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif ctx.device.type == "cuda":
@@ -42,24 +44,36 @@ class AllocateKVCache(Pass):
                         num_blocks, blocks_per_seq)
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
+        sized = time.perf_counter()
         ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
         capacity = KVCapacity(num_blocks, block_size, max_seq_len)
         ctx.artifacts["kv_capacity"] = capacity
         log.info(capacity.describe())
-        return PassResult(num_blocks, capacity.describe())
+        timing = f" (sized in {sized - start:.1f} s, allocated in {time.perf_counter() - sized:.1f} s)"
+        return PassResult(num_blocks, capacity.describe() + timing)
 
     def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
+        from autodeploy.kernels.precompile import precompile
+
         cfg = ctx.config
         chunks, n_blocks = profiling_chunks(cfg.max_num_tokens, ctx.artifacts["max_seq_len"], cfg.max_batch_size,
                                            cfg.tokens_per_block)
         tokens = sum(len(c.token_ids) for c in chunks)
         scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
         batch = BatchMetadata.build(chunks, cfg.tokens_per_block, ctx.device)
+
+        def forward():
+            with torch.inference_mode():
+                ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
+
+        # the prefill kernels this step compiles (~1-3 s each on a fresh host) compile on threads first
+        precompile(forward, ctx.device)
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         baseline = torch.cuda.memory_allocated(ctx.device)
-        with torch.inference_mode():
-            ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
+        forward()
         torch.cuda.synchronize(ctx.device)
         activations = torch.cuda.max_memory_allocated(ctx.device) - baseline
         del scratch, batch

@@ -32,6 +32,10 @@ class CompileCudaGraphs(Pass):
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
         pool = ctx.artifacts["kv_pool"]
         runner = CudaGraphRunner(ctx.gm, pool, sizes, ctx.artifacts["kv_capacity"].max_blocks_per_seq)
-        runner.capture()
+        from autodeploy.kernels.precompile import threads_for
+
+        runner.capture(compile_threads=threads_for(ctx.device))
         ctx.artifacts["cuda_graphs"] = runner
-        return PassResult(len(sizes), f"batch sizes {sizes} captured in {runner.capture_seconds:.1f} s")
+        compiled = f" ({runner.precompiled} kernels compiled on threads first)" if runner.precompiled else ""
+        seconds = runner.capture_seconds
+        return PassResult(len(sizes), f"batch sizes {sizes} captured in {seconds:.1f} s{compiled}")

@@ -67,12 +67,9 @@ class WarmUp(Pass):
 
     def _compile_threads(self, device: torch.device) -> int:
         """1 (serial) where nothing compiles (CPU, interpreter), where it is set so, or where Triton cannot."""
-        from autodeploy.kernels.precompile import default_threads, parallel_compile_supported
+        from autodeploy.kernels.precompile import threads_for
 
-        if not parallel_compile_supported(device):
-            return 1
-        threads = self.config.compile_threads
-        return default_threads() if threads is None else max(threads, 1)
+        return threads_for(device, self.config.compile_threads)
 
     def _run(self, ctx: CompileContext, steps: list[list[SequenceChunk]]) -> int:
         """The eager steps, then the attention launch variants (their count)."""

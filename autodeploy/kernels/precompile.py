@@ -75,6 +75,21 @@ def parallel_compile_supported(device: torch.device) -> bool:
     return hasattr(triton, "AsyncCompileMode") and hasattr(getattr(triton, "knobs", None), "runtime")
 
 
+def threads_for(device: torch.device, configured: int | None = None) -> int:
+    """Threads to compile on: ``configured`` (at least 1), else :func:`default_threads`; 1 (serially,
+    at each launch) where nothing compiles (CPU, interpreter) or where this Triton cannot."""
+    if not parallel_compile_supported(device):
+        return 1
+    return default_threads() if configured is None else max(configured, 1)
+
+
+def precompile(run: Callable[[], object], device: torch.device, threads: int | None = None) -> int:
+    """:func:`compile_in_parallel` on ``threads_for(device, threads)`` threads; 0 (nothing done) where
+    that is one thread. Start-up code wraps its first launches in it, then runs them for real."""
+    threads = threads_for(device, threads)
+    return compile_in_parallel(run, threads) if threads > 1 else 0
+
+
 def compile_in_parallel(run: Callable[[], object], threads: int) -> int:
     """Record the kernels ``run()`` would compile (skipping those launches) and compile them on
     ``threads`` threads; returns how many. The caller then runs ``run()`` for real.

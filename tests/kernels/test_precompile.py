@@ -158,3 +158,16 @@ def test_parallel_compile_only_where_triton_compiles(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not precompile.parallel_compile_supported(torch.device("cuda", 0))
     assert 1 <= precompile.default_threads() <= 8
+
+
+def test_precompile_runs_the_record_pass_only_where_kernels_compile(monkeypatch):
+    calls = []
+    assert precompile.threads_for(torch.device("cpu"), 8) == 1
+    assert precompile.precompile(lambda: calls.append("ran"), torch.device("cpu")) == 0 and calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda", 0)
+    assert precompile.threads_for(cuda, 0) == 1 and precompile.threads_for(cuda, 3) == 3
+    assert precompile.threads_for(cuda) == precompile.default_threads()
+    monkeypatch.setattr(precompile, "compile_in_parallel", lambda run, threads: (run(), threads)[1])
+    assert precompile.precompile(lambda: calls.append("ran"), cuda, threads=4) == 4 and calls == ["ran"]
+    assert precompile.precompile(lambda: calls.append("again"), cuda, threads=1) == 0 and calls == ["ran"]
