@@ -35,10 +35,21 @@ def test_the_faster_library_is_chosen_and_remembered():
     timer = FakeTimer(cublas=0.0365, lt=0.0321)  # the H200's 8B down projection at 64 rows
     chooser, runs = BlasChooser(timer, mode="auto"), []
     assert chooser.lookup(key(64), lambda: runs.append) == CUBLASLT
-    assert timer.calls == [CUBLAS, CUBLASLT] and runs == [0, 0]
+    assert timer.calls == [CUBLAS, CUBLASLT] * blas_choice.ROUNDS and runs == [0] * 2 * blas_choice.ROUNDS
     # 33 rows share the bucket of 64: no second timing
     assert chooser.lookup(key(33), lambda: runs.append) == CUBLASLT
-    assert timer.calls == [CUBLAS, CUBLASLT]
+    assert timer.calls == [CUBLAS, CUBLASLT] * blas_choice.ROUNDS
+
+
+def test_each_library_keeps_its_fastest_round():
+    """A clock ramping up after idle slows the first timing: alternating rounds take that out."""
+    rounds = {CUBLAS: [1.30, 1.00], CUBLASLT: [1.02, 1.01]}  # cuBLAS's first round ran on a slow clock
+
+    def timer(backend, run):
+        return rounds[backend].pop(0)
+
+    assert BlasChooser(timer, margin=0.03, mode="auto").lookup(key(64), lambda: int) == CUBLAS
+    assert rounds == {CUBLAS: [], CUBLASLT: []}
 
 
 def test_cublaslt_must_win_by_the_margin():
