@@ -49,15 +49,14 @@ class CudaGraphRunner:
         start = time.perf_counter()
         sizes = sorted(self.batch_sizes, reverse=True)
         statics = {size: self._static_step(size) for size in sizes}
-        if compile_threads > 1:
-            from .kernels.precompile import compile_in_parallel
+        from .kernels.precompile import precompile
 
-            def forwards():
-                with torch.inference_mode():
-                    for _, _, inputs in statics.values():
-                        self.gm(**inputs)
+        def forwards():
+            with torch.inference_mode():
+                for _, _, inputs in statics.values():
+                    self.gm(**inputs)
 
-            self.precompiled = compile_in_parallel(forwards, compile_threads)
+        self.precompiled = precompile(forwards, self.pool.caches[0].device, compile_threads)
         memory_pool = torch.cuda.graph_pool_handle()
         for size in sizes:
             self.graphs[size] = self._capture_one(*statics[size], memory_pool)

@@ -55,25 +55,17 @@ class AllocateKVCache(Pass):
         return PassResult(num_blocks, capacity.describe() + timing)
 
     def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
-        from autodeploy.kernels.precompile import precompile
-
         cfg = ctx.config
         chunks, n_blocks = profiling_chunks(cfg.max_num_tokens, ctx.artifacts["max_seq_len"], cfg.max_batch_size,
                                            cfg.tokens_per_block)
         tokens = sum(len(c.token_ids) for c in chunks)
         scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
         batch = BatchMetadata.build(chunks, cfg.tokens_per_block, ctx.device)
-
-        def forward():
-            with torch.inference_mode():
-                ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
-
-        # the prefill kernels this step compiles (~1-3 s each on a fresh host) compile on threads first
-        precompile(forward, ctx.device)
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         baseline = torch.cuda.memory_allocated(ctx.device)
-        forward()
+        with torch.inference_mode():
+            ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
         torch.cuda.synchronize(ctx.device)
         activations = torch.cuda.max_memory_allocated(ctx.device) - baseline
         del scratch, batch
