@@ -53,6 +53,7 @@ from autodeploy.kernels.activation import act_mul  # noqa: E402
 from autodeploy.kernels.argmax import argmax_rows  # noqa: E402
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 from autodeploy.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from autodeploy.kernels import paged_attention as pa  # noqa: E402
 from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
 from autodeploy.kernels.rope import rope, rope_qk  # noqa: E402
 from autodeploy.ops.mlp import ACTIVATIONS  # noqa: E402
@@ -326,19 +327,53 @@ def sweep_decode(report: Report, cases: str = "1x4096,8x4096,64x512,64x4096") ->
         del batches
 
 
+def sweep_context(report: Report, cases: str, caps: tuple[int, ...] = (128, 96)) -> None:
+    """Decode with RoPE folded in (the engine's kernel) at ``cases`` (batch x context, one new token
+    each), default launch at each register cap of ``rope_decode_tuning`` (128: four programs per SM,
+    96: five) and with 32-key blocks: how the cost follows the key-block count, and occupancy."""
+    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
+        seqs = [(c - 1, 1)] * b
+        nbytes = attention_cost(seqs)[0] + 2 * b * D * 2  # + the cos/sin rows
+        batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
+        cos, sin = rotary_rows(seqs)
+        base = AttentionLaunch.choose(b, b, HQ, HKV, D, batches[0].block_table.shape[1] * PAGE, DEV)
+        want = batches[0].reference(batches[0].cache.clone(), rope_cos=cos, rope_sin=sin)
+        default_cap = pa.ROPE_DECODE_MAX_REGISTERS
+        try:
+            widths = sorted({base.block_n, 32}, reverse=True)
+            for block_n, cap in ((n, cap) for n in widths for cap in caps):
+                pa.ROPE_DECODE_MAX_REGISTERS = cap  # read by rope_decode_tuning at each launch
+                launch = replace(base, block_n=block_n)
+                got = batches[0].triton(launch, cache=batches[0].cache.clone(), rope_cos=cos, rope_sin=sin)
+                row = Row(f"rope b={b} ctx={c} keys/block={block_n} maxnreg={cap}", rel_err(got, want),
+                          note=f"splits {launch.num_splits}, {-(-(c - 1) // block_n)} blocks of cached keys")
+                def call(i, launch=launch):
+                    return lambda: batches[i % len(batches)].triton(launch, rope_cos=cos, rope_sin=sin)
+
+                report.add(timed(row, call, None, nbytes))
+        finally:
+            pa.ROPE_DECODE_MAX_REGISTERS = default_cap
+        del batches
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
     parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
     parser.add_argument("--sweep-only", default=None, metavar="BxCTX,...",
                         help="only the decode sweep, for these batch x context cases (e.g. 1x512,64x512)")
+    parser.add_argument("--context-sweep", default=None, metavar="BxCTX,...",
+                        help="only decode with RoPE by context and register cap (e.g. 480x192,64x512)")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     report = Report()
-    if args.sweep_only:
-        sweep_decode(report, args.sweep_only)
+    if args.sweep_only or args.context_sweep:
+        if args.sweep_only:
+            sweep_decode(report, args.sweep_only)
+        if args.context_sweep:
+            sweep_context(report, args.context_sweep)
         print(report.table())
         return 0 if all(r.ok for r in report.rows) else 1
     bench_norms(report)

@@ -32,6 +32,8 @@ for s in "$@"; do
     sweep) section sweep 300 python3 bench/kernels_gpu.py --sweep ;;
     sweep_b1) section sweep_b1 120 python3 bench/kernels_gpu.py --sweep-only 1x512,8x512 ;;
     sweep_large) section sweep_large 200 python3 bench/kernels_gpu.py --sweep-only 480x192,256x512,64x512 ;;
+    context_sweep) section context_sweep 200 python3 bench/kernels_gpu.py \
+        --context-sweep 480x192,480x193,480x200,480x256,64x512,256x512 ;;  # key blocks and register cap
     profile_eager) section profile_eager 200 python3 bench/profile_step.py --shape llama8b --batches 1 --eager ;;
     equality) section equality 300 python3 bench/greedy_equality.py --shape llama8b --steps 64 --dtype float32 ;;
     gemm) section gemm 200 python3 bench/gemm_sweep.py ;;

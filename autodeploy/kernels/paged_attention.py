@@ -63,6 +63,8 @@ START, AFTER_WAIT = tl.constexpr(Trigger.START.value), tl.constexpr(Trigger.AFTE
 
 # Decode launches with a fused rotary embedding (see rope_decode_tuning)
 ROPE_DECODE_DIAGONAL_BLOCK = 16
+# 96 (five programs per SM, 2 spill instructions in the key loop) was 6-8% faster at 480 sequences x
+# 192-256 keys and 2-3% slower at 64 and 256 x 512 (H200, 2026-12-04, kernels_gpu.py --context-sweep)
 ROPE_DECODE_MAX_REGISTERS = 128
 
 
