@@ -46,10 +46,11 @@ class CudaGraphRunner:
         """Capture every batch size, largest first. With ``compile_threads`` > 1 the Triton kernels the
         warm-up forwards would compile one at a time (a fresh host: 1-3 s each) compile on that many
         threads first (``kernels/precompile.py``)."""
+        from .kernels.precompile import precompile
+
         start = time.perf_counter()
         sizes = sorted(self.batch_sizes, reverse=True)
         statics = {size: self._static_step(size) for size in sizes}
-        from .kernels.precompile import precompile
 
         def forwards():
             with torch.inference_mode():

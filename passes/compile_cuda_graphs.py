@@ -23,6 +23,8 @@ class CompileCudaGraphs(Pass):
     Config = CudaGraphConfig
 
     def apply(self, ctx: CompileContext) -> PassResult:
+        from autodeploy.kernels.precompile import threads_for
+
         if ctx.device.type != "cuda":
             return PassResult(0, "skipped: not on CUDA")
         backend = ctx.artifacts["attention_backend"]
@@ -32,8 +34,6 @@ class CompileCudaGraphs(Pass):
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
         pool = ctx.artifacts["kv_pool"]
         runner = CudaGraphRunner(ctx.gm, pool, sizes, ctx.artifacts["kv_capacity"].max_blocks_per_seq)
-        from autodeploy.kernels.precompile import threads_for
-
         runner.capture(compile_threads=threads_for(ctx.device))
         ctx.artifacts["cuda_graphs"] = runner
         compiled = f" ({runner.precompiled} kernels compiled on threads first)" if runner.precompiled else ""

@@ -105,11 +105,10 @@ def hoist_gathers(gm: fx.GraphModule, gathers: list[fx.Node]) -> list[fx.Node]:
 def _gather_inputs_of(gm: fx.GraphModule, gather: fx.Node, source: fx.Node) -> list[fx.Node]:
     """Replace ``gather(source(inputs))`` with ``source(gather(inputs))``; returns the new gathers."""
     _, dim, indices = gather.args
-    rows = source.meta["val"].shape[dim]
     graph, new_gathers, by_input = gm.graph, [], {}
 
     def gathered(arg):
-        if not (isinstance(arg, fx.Node) and _has_token_rows(arg, dim, rows, source)):
+        if not (isinstance(arg, fx.Node) and _has_token_rows(arg, dim, source)):
             return arg
         if arg not in by_input:
             with graph.inserting_before(source):
@@ -130,11 +129,12 @@ def _gather_inputs_of(gm: fx.GraphModule, gather: fx.Node, source: fx.Node) -> l
     return new_gathers
 
 
-def _has_token_rows(arg: fx.Node, dim: int, rows, source: fx.Node) -> bool:
-    """Whether ``arg`` has the source's rows along ``dim`` (not a broadcast weight or scalar tensor)."""
-    val = arg.meta.get("val")
-    out = source.meta["val"]
-    return isinstance(val, torch.Tensor) and val.dim() == out.dim() and str(val.shape[dim]) == str(rows)
+def _has_token_rows(arg: fx.Node, dim: int, source: fx.Node) -> bool:
+    """Whether ``arg`` has the source's rows along ``dim`` (not a broadcast weight or scalar tensor);
+    sizes compare by their text, so a symbolic token count matches itself without a guard."""
+    val, out = arg.meta.get("val"), source.meta["val"]
+    same_rows = isinstance(val, torch.Tensor) and val.dim() == out.dim()
+    return same_rows and str(val.shape[dim]) == str(out.shape[dim])
 
 
 def _downstream(node: fx.Node) -> list[fx.Node]:
