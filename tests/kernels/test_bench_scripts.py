@@ -102,3 +102,41 @@ def test_blas_table_shapes_are_the_decode_bench_models_linears():
         assert linears == {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h),
                            "o": (h, cfg.num_attention_heads * d), "gate_up": (2 * inter, h),
                            "down": (h, inter), "lm_head": (cfg.vocab_size, h)}
+
+
+def test_head_major_pools_keep_the_logical_shape_with_each_heads_page_contiguous():
+    """--layout-sweep: the kernel reads the pool through its strides, so a head-major pool is a view."""
+    token_major = kernels_gpu._cache(3, 2, 8, head_major=False, device="cpu")
+    head_major = kernels_gpu._cache(3, 2, 8, head_major=True, device="cpu")
+    assert token_major.shape == head_major.shape == (3, 2, kernels_gpu.PAGE, 2, 8)
+    assert token_major.is_contiguous() and not head_major.is_contiguous()
+    assert head_major.transpose(2, 3).is_contiguous()  # [page, k/v, head, token, dim] in memory
+    assert head_major.stride(2) == 8 and head_major.stride(3) == kernels_gpu.PAGE * 8
+
+
+def test_trace_stats_time_events_from_the_first_start_and_each_programs_intervals():
+    """--trace-attention: quantiles over the programs that stored, in us."""
+    from autodeploy.kernels import trace
+
+    buf = trace.buffer(3, torch.device("cpu"))
+    for row, start in enumerate((1_000, 2_000, 3_000)):  # ns; events 1, 2, 6, 3, 5 one us apart
+        for offset, event in enumerate((1, 2, 6, 3, 5)):
+            buf[row, event] = start + 1_000 * offset
+    buf[2, 5] = trace.UNSET  # a program that never stored is left out
+    stats = kernels_gpu._trace_stats(buf)
+    assert stats["at start"] == [0.0, 0.1, 0.5, 0.9, 1.0]
+    assert stats["at stored"][0] == 4.0 and stats["at stored"][-1] == 5.0
+    assert stats["start -> stored"] == [4.0] * 5 and stats["q loaded -> attended"] == [1.0] * 5
+
+
+def test_cublas_pdl_probe_structs_match_the_driver_api_and_it_tells_gemms_from_ours():
+    """The probe edits captured graphs through ctypes: CUgraphEdgeData is 8 bytes, the v2 kernel node
+    params 72 on 64-bit hosts; importing it loads no CUDA driver."""
+    import ctypes
+
+    import cublas_pdl_probe as probe
+
+    assert ctypes.sizeof(probe.EdgeData) == 8 and ctypes.sizeof(probe.KernelParams) == 72
+    assert probe.is_gemm("nvjet_sm90_tst_64x64_64x13_4x1_v_bz_TNT")
+    assert not probe.is_gemm("_rms_norm_kernel") and not probe.is_gemm("<node type 2>")
+    assert probe._CUDA == []
