@@ -4,12 +4,23 @@ On CUDA: run one step of ``max_num_tokens`` tokens with a minimal cache, measure
 peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool. On the CPU:
 ``kv_cache_cpu_bytes``, capped at what ``max_batch_size`` sequences of ``max_seq_len`` need. A fixed
 ``num_kv_blocks`` overrides both.
+
+The profiling step is the first forward on the GPU: run as is, its first launches would compile
+their Triton kernels one after another (a fresh H200 host: 4-5 s for the 8B shape, mostly the prefill
+attention). Only its memory peak matters, and where no op's allocations depend on values (no MoE
+routing), that peak is the same whether the kernels run or not: so the step runs with every launch
+that would compile recorded and skipped (``kernels.precompile``), and the recorded kernels are left in
+``artifacts["pending_kernels"]`` for the ``warm_up`` pass, which compiles them on its thread pool with
+its own (without ``warm_up`` they compile at their first launch). Should an op reject the values the
+skipped kernels left unwritten, the step runs again for real.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -51,7 +62,10 @@ class AllocateKVCache(Pass):
         capacity = KVCapacity(num_blocks, block_size, max_seq_len)
         ctx.artifacts["kv_capacity"] = capacity
         log.info(capacity.describe())
-        timing = f" (sized in {sized - start:.1f} s, allocated in {time.perf_counter() - sized:.1f} s)"
+        pending = len(ctx.artifacts.get("pending_kernels", ()))
+        deferred = f", {pending} kernels left to the warm-up's compile" if pending else ""
+        allocated = time.perf_counter() - sized
+        timing = f" (sized in {sized - start:.1f} s{deferred}, allocated in {allocated:.1f} s)"
         return PassResult(num_blocks, capacity.describe() + timing)
 
     def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
@@ -61,13 +75,7 @@ class AllocateKVCache(Pass):
         tokens = sum(len(c.token_ids) for c in chunks)
         scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
         batch = BatchMetadata.build(chunks, cfg.tokens_per_block, ctx.device)
-        torch.cuda.synchronize(ctx.device)
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        baseline = torch.cuda.memory_allocated(ctx.device)
-        with torch.inference_mode():
-            ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs())
-        torch.cuda.synchronize(ctx.device)
-        activations = torch.cuda.max_memory_allocated(ctx.device) - baseline
+        activations = self._profile(ctx, lambda: ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs()))
         del scratch, batch
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(ctx.device)
@@ -75,6 +83,57 @@ class AllocateKVCache(Pass):
         log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB -> KV budget %.2f GiB",
                  tokens, activations / 2**30, free / 2**30, budget / 2**30)
         return max(0, budget)
+
+
+    def _profile(self, ctx: CompileContext, forward) -> int:
+        """Activation bytes of ``forward`` (peak over the memory allocated before it). Its compiles are
+        left pending where ``_deferred_compiles`` allows; should the step fail on values that skipped
+        kernels left unwritten, it runs again for real."""
+        for defer in (True, False):
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            baseline = torch.cuda.memory_allocated(ctx.device)
+            try:
+                with torch.inference_mode(), _deferred_compiles(ctx, defer) as pending:
+                    forward()
+            except Exception as exc:  # noqa: BLE001 (a real run raises the genuine error)
+                if not (defer and pending):
+                    raise
+                log.warning("KV sizing: the step with its compiles deferred failed (%s: %s); "
+                            "running it for real", type(exc).__name__, exc)
+                continue
+            torch.cuda.synchronize(ctx.device)
+            if pending:
+                ctx.artifacts["pending_kernels"] = pending
+            return torch.cuda.max_memory_allocated(ctx.device) - baseline
+        raise AssertionError("unreachable: the real run returns or raises")
+
+
+# ops whose allocations (or host syncs) depend on the values they read, e.g. MoE routing sizes each
+# expert's batch: with kernels skipped their inputs are garbage, so the profiling step runs for real
+VALUE_DEPENDENT_OPS = frozenset({"autodeploy::moe", "aten::nonzero", "aten::unique", "aten::_unique2",
+                                 "aten::unique_consecutive", "aten::masked_select", "aten::bincount",
+                                 "aten::_local_scalar_dense"})
+
+
+@contextlib.contextmanager
+def _deferred_compiles(ctx: CompileContext, defer: bool = True) -> Iterator[list]:
+    """Inside, Triton launches that would compile are recorded and skipped (the yielded list), where
+    ``defer``, kernels compile on threads and the graph's memory does not depend on values; else
+    nothing changes (the list stays empty)."""
+    from autodeploy.kernels.precompile import recording_compiles, threads_for
+
+    if not defer or threads_for(ctx.device) <= 1 or _value_dependent(ctx.gm):
+        yield []
+        return
+    with recording_compiles() as specs:
+        yield specs
+
+
+def _value_dependent(gm) -> bool:
+    """Whether the graph calls an op of ``VALUE_DEPENDENT_OPS``."""
+    return any(node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "name", None)
+               in VALUE_DEPENDENT_OPS for node in gm.graph.nodes)
 
 
 def profiling_chunks(max_num_tokens: int, max_seq_len: int, max_batch_size: int,

@@ -10,8 +10,9 @@ contents nobody reads before overwriting them. Skipped on the CPU, where nothing
 
 The compiles themselves run on a thread pool (``autodeploy.kernels.precompile``): the steps and
 launches first run with every launch that would compile recorded and skipped, the recorded kernels
-compile in parallel, then the steps and launches run for real, finding each kernel compiled. On the
-H200 the 8B shape's warm-up was 43 s of serial compiles on one of 16 cores.
+compile in parallel, with those the KV sizing step recorded (``allocate_kv_cache``), then the steps
+and launches run for real, finding each kernel compiled. On the H200 the 8B shape's warm-up was 43 s
+of serial compiles on one of 16 cores.
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ class WarmUp(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         if ctx.device.type != "cuda" and not self.config.on_cpu:
             return PassResult(0, "skipped: nothing is compiled on the CPU")
-        from autodeploy.kernels.precompile import compile_in_parallel, counting_compiles
+        from autodeploy.kernels.precompile import compile_in_parallel, compile_specs, counting_compiles
 
         pool, block_size = ctx.artifacts["kv_pool"], ctx.config.tokens_per_block
         steps = [s for s in warm_up_steps(block_size, pool.num_blocks, ctx.config) if s]
         threads = self._compile_threads(ctx.device)
+        pending = ctx.artifacts.pop("pending_kernels", [])  # recorded by the KV sizing step
         start = time.perf_counter()
         with counting_compiles() as compiled:
-            pooled = compile_in_parallel(lambda: self._run(ctx, steps), threads) if threads > 1 else 0
+            if threads > 1:
+                pooled = compile_in_parallel(lambda: self._run(ctx, steps), threads, pending)
+            else:
+                pooled = 0
+                compile_specs(pending, 1)
             launches = self._run(ctx, steps)
         if threads > 1:
             late = len(compiled) - pooled  # launches the record run did not see (none expected)

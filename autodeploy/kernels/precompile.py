@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,15 +90,16 @@ def precompile(run: Callable[[], object], device: torch.device, threads: int | N
     return compile_in_parallel(run, threads) if threads > 1 else 0
 
 
-def compile_in_parallel(run: Callable[[], object], threads: int) -> int:
-    """Record the kernels ``run()`` would compile (skipping those launches) and compile them on
-    ``threads`` threads; returns how many. The caller then runs ``run()`` for real.
+def compile_in_parallel(run: Callable[[], object], threads: int, pending: Sequence[KernelSpec] = ()) -> int:
+    """Record the kernels ``run()`` would compile (skipping those launches) and compile them, with
+    ``pending`` (kernels recorded earlier, e.g. by the KV sizing step), on ``threads`` threads;
+    returns how many. The caller then runs ``run()`` for real.
 
     ``run`` sees skipped launches: outputs of kernels not yet compiled are left unwritten, so it must
     not depend on their values (shapes decide what compiles). If it raises, what it recorded so far
     is compiled and the rest compiles at its launch in the real run, which raises a genuine error.
     """
-    with recording_compiles() as specs:
+    with recording_compiles(pending) as specs:
         try:
             run()
         except Exception as exc:  # noqa: BLE001 (skipped launches left garbage: the real run decides)
@@ -109,11 +110,16 @@ def compile_in_parallel(run: Callable[[], object], threads: int) -> int:
 
 
 @contextmanager
-def recording_compiles() -> Iterator[list[KernelSpec]]:
+def recording_compiles(pending: Sequence[KernelSpec] = ()) -> Iterator[list[KernelSpec]]:
     """Inside, a Triton launch that would compile appends its :class:`KernelSpec` (once per
-    specialization) and returns without compiling or launching."""
+    specialization) and returns without compiling or launching. The list starts with ``pending``
+    (each specialization once)."""
     specs: list[KernelSpec] = []
     seen: set[tuple] = set()
+    for spec in pending:
+        if (id(spec.kernel), spec.device, spec.key) not in seen:
+            seen.add((id(spec.kernel), spec.device, spec.key))
+            specs.append(spec)
 
     def record(*, fn, compile, **_) -> bool:
         spec = KernelSpec(fn.jit_function, compile["key"], compile["specialization_data"], compile["device"])

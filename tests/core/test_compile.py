@@ -139,7 +139,8 @@ def test_warm_up_compiles_on_threads_then_runs_for_real(tiny_llama, monkeypatch,
     monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)  # as on a GPU
     monkeypatch.setattr(precompile, "default_threads", lambda: 6)
     pools, real_compile = [], precompile.compile_in_parallel
-    monkeypatch.setattr(precompile, "compile_in_parallel", lambda run, n: pools.append(n) or real_compile(run, n))
+    monkeypatch.setattr(precompile, "compile_in_parallel",
+                        lambda run, n, pending=(): pools.append(n) or real_compile(run, n, pending))
     steps, real_run = [], WarmUp._run
     monkeypatch.setattr(WarmUp, "_run", lambda self, ctx, s: steps.append(len(s)) or real_run(self, ctx, s))
     model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
@@ -147,6 +148,31 @@ def test_warm_up_compiles_on_threads_then_runs_for_real(tiny_llama, monkeypatch,
     assert steps == [5] * runs and pools == ([threads] if threads > 1 else [])
     assert f"on {threads} threads" in detail if threads > 1 else "compiled serially" in detail
     assert run_check(tiny_llama, compiled=model, steps=2, prompt_lens=(5, 9)).passed
+
+
+@pytest.mark.parametrize("setting", [3, 1])
+def test_warm_up_compiles_the_kernels_the_kv_sizing_step_left_pending(tiny_llama, monkeypatch, setting):
+    """What the KV sizing step recorded instead of compiling goes to the warm-up's thread pool with its own
+    kernels, or is compiled first, serially, without a pool."""
+    from autodeploy.kernels import precompile
+    from autodeploy.passes.allocate_kv_cache import AllocateKVCache
+
+    sentinel = object()
+    real_apply = AllocateKVCache.apply
+
+    def apply_and_leave_pending(self, ctx):
+        result = real_apply(self, ctx)
+        ctx.artifacts["pending_kernels"] = [sentinel]
+        return result
+
+    monkeypatch.setattr(AllocateKVCache, "apply", apply_and_leave_pending)
+    monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)
+    handed = []
+    monkeypatch.setattr(precompile, "compile_in_parallel",
+                        lambda run, n, pending=(): handed.append(("pool", pending)) or run() or len(pending))
+    monkeypatch.setattr(precompile, "compile_specs", lambda specs, n: handed.append(("serial", specs, n)))
+    autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
+    assert handed == ([("pool", [sentinel])] if setting > 1 else [("serial", [sentinel], 1)])
 
 
 def test_warm_up_compile_threads_are_validated():

@@ -121,6 +121,20 @@ def test_one_thread_compiles_serially_without_a_pool(sm90, monkeypatch):
 
 
 @in_a_clean_process
+def test_pending_specs_compile_with_the_recorded_ones_once_each(sm90):
+    """Kernels an earlier step recorded (the KV sizing step) compile on the warm-up's pool with what the
+    warm-up records; a specialization both met compiles once."""
+    kernel, x, y = _fresh_kernel(), torch.zeros(64), torch.zeros(64)
+    with recording_compiles() as earlier:
+        _launch_all(kernel, x, y, [(16, False), (128, False)])
+    assert compile_in_parallel(lambda: _launch_all(kernel, x, y, VARIANTS), threads=2, pending=earlier) == 4
+    with counting_compiles() as compiled:
+        for block in (16, 32, 64, 128):
+            kernel.warmup(x, y, 64, BLOCK=block, SMALL_BLOCKS_ONLY=False, grid=(1,))
+    assert compiled == [] and len(kernel.device_caches[0][0]) == 4
+
+
+@in_a_clean_process
 def test_a_failing_compile_names_the_kernel_and_leaves_triton_usable(sm90):
     kernel, x, y = _fresh_kernel(), torch.zeros(64), torch.zeros(64)
     with recording_compiles() as specs:
