@@ -2,7 +2,7 @@
 # One H200 session: install carried wheels + autodeploy, then the named sections, each time-boxed.
 #   bash bench/run_h200.sh smoke decode_ad kernels
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/ad . >/dev/null 2>&1
 export PYTHONPATH=/tmp/ad:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
