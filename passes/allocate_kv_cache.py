@@ -84,7 +84,6 @@ class AllocateKVCache(Pass):
                  tokens, activations / 2**30, free / 2**30, budget / 2**30)
         return max(0, budget)
 
-
     def _profile(self, ctx: CompileContext, forward) -> int:
         """Activation bytes of ``forward`` (peak over the memory allocated before it). Its compiles are
         left pending where ``_deferred_compiles`` allows; should the step fail on values that skipped

@@ -116,16 +116,17 @@ def recording_compiles(pending: Sequence[KernelSpec] = ()) -> Iterator[list[Kern
     (each specialization once)."""
     specs: list[KernelSpec] = []
     seen: set[tuple] = set()
-    for spec in pending:
+
+    def add(spec: KernelSpec) -> None:
         if (id(spec.kernel), spec.device, spec.key) not in seen:
             seen.add((id(spec.kernel), spec.device, spec.key))
             specs.append(spec)
 
+    for spec in pending:
+        add(spec)
+
     def record(*, fn, compile, **_) -> bool:
-        spec = KernelSpec(fn.jit_function, compile["key"], compile["specialization_data"], compile["device"])
-        if (id(spec.kernel), spec.device, spec.key) not in seen:
-            seen.add((id(spec.kernel), spec.device, spec.key))
-            specs.append(spec)
+        add(KernelSpec(fn.jit_function, compile["key"], compile["specialization_data"], compile["device"]))
         return True  # tells the JIT: skip this compile (and so the launch)
 
     with _hook("jit_cache_hook", record):
