@@ -123,7 +123,9 @@ def test_trace_stats_time_events_from_the_first_start_and_each_programs_interval
         for offset, event in enumerate((1, 2, 6, 3, 5)):
             buf[row, event] = start + 1_000 * offset
     buf[2, 5] = trace.UNSET  # a program that never stored is left out
-    stats = kernels_gpu._trace_stats(buf)
+    import attention_sweeps
+
+    stats = attention_sweeps._trace_stats(buf)
     assert stats["at start"] == [0.0, 0.1, 0.5, 0.9, 1.0]
     assert stats["at stored"][0] == 4.0 and stats["at stored"][-1] == 5.0
     assert stats["start -> stored"] == [4.0] * 5 and stats["q loaded -> attended"] == [1.0] * 5
