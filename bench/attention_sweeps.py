@@ -23,10 +23,15 @@ from autodeploy.kernels.attention_config import AttentionLaunch
 from autodeploy.kernels.paged_attention import paged_attention_fwd
 
 
+def _cases(cases: str) -> list[tuple[int, int]]:
+    """(batch, context) pairs of a "BxCTX,BxCTX" option."""
+    return [tuple(int(v) for v in case.split("x")) for case in cases.split(",")]
+
+
 def sweep_decode(report: Report, cases: str = "1x4096,8x4096,64x512,64x4096") -> None:
     """Decode launch configurations and split counts, to tune AttentionLaunch.choose with measurements;
     ``cases``: batch x context pairs."""
-    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
+    for b, c in _cases(cases):
         seqs = [(c - 1, 1)] * b
         nbytes, _ = attention_cost(seqs)
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
@@ -52,7 +57,7 @@ def sweep_context(report: Report, cases: str, caps: tuple[int, ...] = (128, 96))
     96: five), with 32-key blocks, and with the first key block preloaded before the PDL wait
     (``AttentionLaunch.preload_kv``, on by default only where the grid leaves SMs idle): how the cost
     follows the key-block count, occupancy, and the prologue's round trips."""
-    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
+    for b, c in _cases(cases):
         seqs = [(c - 1, 1)] * b
         nbytes = attention_cost(seqs)[0] + 2 * b * D * 2  # + the cos/sin rows
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
@@ -84,7 +89,7 @@ def sweep_layout(report: Report, cases: str) -> None:
     """Decode with RoPE folded in (the engine's kernel, default launch) on the pool's token-major pages
     ([block, 2, token, head, dim]: a head's page is PAGE rows of 256 B, 2 KB apart) against head-major
     pages (one contiguous 4 KB run per head and page), same shuffled page order and values layout-wise."""
-    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
+    for b, c in _cases(cases):
         seqs = [(c - 1, 1)] * b
         nbytes = attention_cost(seqs)[0] + 2 * b * D * 2
         cos, sin = rotary_rows(seqs)
@@ -117,7 +122,7 @@ def trace_attention(report_lines: list[str], cases: str) -> None:
     each program's own intervals."""
     from autodeploy.kernels import trace
 
-    for b, c in (tuple(int(v) for v in case.split("x")) for case in cases.split(",")):
+    for b, c in _cases(cases):
         seqs = [(c - 1, 1)] * b
         batches = [paged_batch(seqs) for _ in range(3)]
         cos, sin = rotary_rows(seqs)

@@ -80,11 +80,16 @@ def record_8b_warm_up(max_batch: int, max_tokens: int, max_blocks: int) -> list[
     return specs
 
 
-def timed_compile(specs: list[KernelSpec], threads: int) -> float:
-    """Seconds to compile every spec into a fresh Triton cache (and fresh JIT caches)."""
+def _fresh_caches(specs: list[KernelSpec]) -> None:
+    """A new, empty on-disk Triton cache, and empty in-memory caches of the specs' kernels."""
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
     for spec in specs:
         spec.kernel.device_caches.clear()
+
+
+def timed_compile(specs: list[KernelSpec], threads: int) -> float:
+    """Seconds to compile every spec into a fresh Triton cache (and fresh JIT caches)."""
+    _fresh_caches(specs)
     start = time.perf_counter()
     compile_specs(specs, threads)
     return time.perf_counter() - start
@@ -116,9 +121,7 @@ def timed_process_compile(specs: list[KernelSpec], processes: int) -> tuple[floa
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, wait
 
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
-    for spec in specs:
-        spec.kernel.device_caches.clear()
+    _fresh_caches(specs)
     start = time.perf_counter()
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_worker_init)
