@@ -12,11 +12,18 @@ from torch.utils import _pytree as pytree
 
 
 def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
-    vals = [n.meta["val"] for n in gm.graph.nodes if "val" in n.meta]
-    mode = detect_fake_mode(vals)
-    if mode is None:
-        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    return mode
+    """The fake mode of the graph's metadata (export gives every node the same one).
+
+    The first fake found decides: passes call this once per rewrite, and checking every node's
+    metadata against it (``detect_fake_mode`` over the whole graph) was ~30% of the passes' time
+    on a 32-layer model.
+    """
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            mode = detect_fake_mode(node.meta["val"])
+            if mode is not None:
+                return mode
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
 
 
 def node_val(arg):
