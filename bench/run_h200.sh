@@ -50,6 +50,11 @@ for s in "$@"; do
     gemm_small) section gemm_small 150 python3 bench/gemm_sweep.py --shape smollm2 --batches 1,8 ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
+    coldstart_pyc)  # the same with the libraries' bytecode compiled first, as `pip install` does (uv does not)
+      export PYTHONPYCACHEPREFIX=/tmp/pyc  # writable wherever site-packages is not; the child inherits it
+      section bytecode 300 python3 bench/compile_bytecode.py  # all of sys.path: the prefix hides every __pycache__
+      section coldstart_pyc 150 python3 bench/cold_start.py --shape llama8b
+      unset PYTHONPYCACHEPREFIX ;;
     offline128) config_dir 8b; section offline128 200 env -C /tmp python3 -m autodeploy.cli bench offline /tmp/cfg8b --weights random \
         --dtype bfloat16 --input_len 128 --output_len 128 --num_requests 512 --max_batch_size 512 --max_num_tokens 8192 \
         --max_seq_len 1024 --output_json "$OUT/offline128.json" --log_level warning
