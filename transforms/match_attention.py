@@ -97,6 +97,7 @@ class _AttentionRule(RewriteRule):
 
 class MatchEagerAttention(_AttentionRule):
     name = "match_eager_attention"
+    required_ops = frozenset({aten.softmax.int, aten.matmul.default})
 
     def patterns(self) -> list[PatternSpec]:
         specs = []
@@ -112,8 +113,9 @@ class MatchEagerAttention(_AttentionRule):
             name = f"eager(repeat={repeat},scale={scaling},softcap={softcapped},mask={mask})"
             fn = _eager_pattern(repeat, scaling, softcapped, masked, mask_first)
             specs.append(PatternSpec(fn, _example(masked, repeat), scalars, _IGNORE_REPEATS, name))
-        # most specific first: a pattern without the mask must not claim a masked attention's core
-        return sorted(specs, key=lambda s: -(len(s.example_inputs) + len(s.scalars)))
+        # most specific first: a pattern without the mask must not claim a masked attention's core;
+        # then the common spellings (no softcap), since apply_rule stops once every attention matched
+        return sorted(specs, key=lambda s: (-(len(s.example_inputs) + len(s.scalars)), "softcap" in s.scalars))
 
     def check(self, m: Match, gm) -> str | None:
         for name in ("scale", "divisor", "softcap"):
@@ -152,6 +154,7 @@ def _sdpa_pattern(repeat: bool, masked: bool):
 
 class MatchSDPAAttention(_AttentionRule):
     name = "match_sdpa_attention"
+    required_ops = frozenset({aten.scaled_dot_product_attention.default})
     _FLAGS = {"dropout_p", "is_causal", "scale", "enable_gqa"}
 
     def patterns(self) -> list[PatternSpec]:

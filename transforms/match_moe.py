@@ -64,6 +64,7 @@ def _arguments(m: Match, target) -> dict:
 
 class MatchMoE(RewriteRule):
     name = "match_moe"
+    required_ops = frozenset({aten.bmm.default, aten.index.Tensor})
 
     def patterns(self) -> list[PatternSpec]:
         return [

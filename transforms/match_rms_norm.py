@@ -28,6 +28,7 @@ def rms_normed_times_weight(x, weight, eps):
 
 class MatchRMSNorm(RewriteRule):
     name = "match_rms_norm"
+    required_ops = frozenset({torch.ops.aten.rsqrt.default, torch.ops.aten.mean.dim})
 
     def patterns(self) -> list[PatternSpec]:
         inputs = {"x": torch.randn(2, 3, 8), "weight": torch.randn(8)}

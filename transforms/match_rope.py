@@ -38,6 +38,7 @@ def _slices(m: Match) -> list[torch.fx.Node]:
 
 class MatchRoPE(RewriteRule):
     name = "match_rope"
+    required_ops = frozenset({aten.neg.default, aten.slice.Tensor})
 
     def patterns(self) -> list[PatternSpec]:
         return [
@@ -69,6 +70,7 @@ def partial_rotary(x, cos, sin):
 
 class MatchPartialRoPE(RewriteRule):
     name = "match_partial_rope"
+    required_ops = frozenset({torch.ops.autodeploy.rope.default, aten.cat.default})
 
     def patterns(self) -> list[PatternSpec]:
         inputs = {"x": torch.randn(1, 2, 3, 8), "cos": torch.randn(1, 1, 3, 4), "sin": torch.randn(1, 1, 3, 4)}
