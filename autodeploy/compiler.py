@@ -58,20 +58,26 @@ def compile_config(
     model, buffers = build_meta_model(hf_config, dtype, config.attn_implementation, config.trust_remote_code)
     timings["build"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    gm = export_model(model)
-    timings["export"] = time.perf_counter() - start
-    gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
-    del model
+    workers = _start_compile_workers(config, device)  # their imports overlap the export
+    try:
+        start = time.perf_counter()
+        gm = export_model(model)
+        timings["export"] = time.perf_counter() - start
+        gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
+        del model
 
-    ctx = CompileContext(
-        gm=gm, hf_config=hf_config, config=config, device=device, dtype=dtype,
-        checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
-    )
-    ctx.artifacts["max_seq_len"] = config.max_seq_len or model_max_len(hf_config)
-    start = time.perf_counter()
-    records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
-    timings["passes"] = time.perf_counter() - start
+        ctx = CompileContext(
+            gm=gm, hf_config=hf_config, config=config, device=device, dtype=dtype,
+            checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
+        )
+        ctx.artifacts["max_seq_len"] = config.max_seq_len or model_max_len(hf_config)
+        ctx.artifacts["compile_workers"] = workers
+        start = time.perf_counter()
+        records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
+        timings["passes"] = time.perf_counter() - start
+    finally:
+        if workers is not None:
+            workers.close()
 
     report = CompileReport(
         model_type=hf_config.model_type,
@@ -87,6 +93,14 @@ def compile_config(
         ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
         cuda_graphs=ctx.artifacts.get("cuda_graphs"),
     )
+
+
+def _start_compile_workers(config: CompileConfig, device: torch.device):
+    if config.compile_workers <= 0:
+        return None
+    from .kernels.compile_workers import start_compile_workers  # triton only where asked for
+
+    return start_compile_workers(config.compile_workers, device)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -42,10 +42,10 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self.precompiled = 0  # kernels compiled on threads before the captures
 
-    def capture(self, compile_threads: int = 1) -> None:
+    def capture(self, compile_threads: int = 1, compile_workers=None) -> None:
         """Capture every batch size, largest first. With ``compile_threads`` > 1 the Triton kernels the
         warm-up forwards would compile one at a time (a fresh host: 1-3 s each) compile on that many
-        threads first (``kernels/precompile.py``)."""
+        threads first (``kernels/precompile.py``; with ``compile_workers``, in those processes first)."""
         from .kernels.precompile import precompile
 
         start = time.perf_counter()
@@ -57,7 +57,7 @@ class CudaGraphRunner:
                 for _, _, inputs in statics.values():
                     self.gm(**inputs)
 
-        self.precompiled = precompile(forwards, self.pool.caches[0].device, compile_threads)
+        self.precompiled = precompile(forwards, self.pool.caches[0].device, compile_threads, compile_workers)
         memory_pool = torch.cuda.graph_pool_handle()
         for size in sizes:
             self.graphs[size] = self._capture_one(*statics[size], memory_pool)

@@ -58,7 +58,8 @@ class WarmUp(Pass):
         start = time.perf_counter()
         with counting_compiles() as compiled:
             if threads > 1:
-                pooled = compile_in_parallel(lambda: self._run(ctx, steps), threads, pending)
+                pooled = compile_in_parallel(lambda: self._run(ctx, steps), threads, pending,
+                                             workers=ctx.artifacts.get("compile_workers"))
             else:
                 pooled = 0
                 compile_specs(pending, 1)
@@ -66,6 +67,8 @@ class WarmUp(Pass):
         if threads > 1:
             late = len(compiled) - pooled  # launches the record run did not see (none expected)
             kernels = f"{pooled} kernels compiled on {threads} threads" + (f" (+{late} at their launch)" if late else "")
+            workers = ctx.artifacts.get("compile_workers")
+            kernels += f" [{workers.summary()} first]" if workers is not None else ""
         else:
             kernels = f"{len(compiled)} kernels compiled serially"
         return PassResult(len(steps), f"{len(steps)} eager steps, {launches} attention launch variants, {kernels} "

@@ -83,17 +83,20 @@ def threads_for(device: torch.device, configured: int | None = None) -> int:
     return default_threads() if configured is None else max(configured, 1)
 
 
-def precompile(run: Callable[[], object], device: torch.device, threads: int | None = None) -> int:
+def precompile(run: Callable[[], object], device: torch.device, threads: int | None = None, workers=None) -> int:
     """:func:`compile_in_parallel` on ``threads_for(device, threads)`` threads; 0 (nothing done) where
     that is one thread. Start-up code wraps its first launches in it, then runs them for real."""
     threads = threads_for(device, threads)
-    return compile_in_parallel(run, threads) if threads > 1 else 0
+    return compile_in_parallel(run, threads, workers=workers) if threads > 1 else 0
 
 
-def compile_in_parallel(run: Callable[[], object], threads: int, pending: Sequence[KernelSpec] = ()) -> int:
+def compile_in_parallel(run: Callable[[], object], threads: int, pending: Sequence[KernelSpec] = (),
+                        workers=None) -> int:
     """Record the kernels ``run()`` would compile (skipping those launches) and compile them, with
     ``pending`` (kernels recorded earlier, e.g. by the KV sizing step), on ``threads`` threads;
-    returns how many. The caller then runs ``run()`` for real.
+    returns how many. The caller then runs ``run()`` for real. With ``workers``
+    (:class:`~autodeploy.kernels.compile_workers.CompileWorkers`) the worker processes compile them
+    into the on-disk cache first, and the threads install them from it.
 
     ``run`` sees skipped launches: outputs of kernels not yet compiled are left unwritten, so it must
     not depend on their values (shapes decide what compiles). If it raises, what it recorded so far
@@ -105,6 +108,8 @@ def compile_in_parallel(run: Callable[[], object], threads: int, pending: Sequen
         except Exception as exc:  # noqa: BLE001 (skipped launches left garbage: the real run decides)
             log.warning("warm-up: recording stopped early (%s: %s); %d kernels found so far compile in parallel, "
                         "the rest at their first launch", type(exc).__name__, exc, len(specs))
+    if workers is not None and specs:
+        workers.warm(specs)
     compile_specs(specs, threads)
     return len(specs)
 

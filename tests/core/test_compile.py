@@ -140,7 +140,7 @@ def test_warm_up_compiles_on_threads_then_runs_for_real(tiny_llama, monkeypatch,
     monkeypatch.setattr(precompile, "default_threads", lambda: 6)
     pools, real_compile = [], precompile.compile_in_parallel
     monkeypatch.setattr(precompile, "compile_in_parallel",
-                        lambda run, n, pending=(): pools.append(n) or real_compile(run, n, pending))
+                        lambda run, n, pending=(), workers=None: pools.append(n) or real_compile(run, n, pending))
     steps, real_run = [], WarmUp._run
     monkeypatch.setattr(WarmUp, "_run", lambda self, ctx, s: steps.append(len(s)) or real_run(self, ctx, s))
     model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
@@ -168,11 +168,45 @@ def test_warm_up_compiles_the_kernels_the_kv_sizing_step_left_pending(tiny_llama
     monkeypatch.setattr(AllocateKVCache, "apply", apply_and_leave_pending)
     monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)
     handed = []
-    monkeypatch.setattr(precompile, "compile_in_parallel",
-                        lambda run, n, pending=(): handed.append(("pool", pending)) or run() or len(pending))
+    def pooled(run, n, pending=(), workers=None):
+        handed.append(("pool", pending))
+        return run() or len(pending)
+
+    monkeypatch.setattr(precompile, "compile_in_parallel", pooled)
     monkeypatch.setattr(precompile, "compile_specs", lambda specs, n: handed.append(("serial", specs, n)))
     autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
     assert handed == ([("pool", [sentinel])] if setting > 1 else [("serial", [sentinel], 1)])
+
+
+def test_compile_workers_serve_the_warm_up_and_the_captures_then_close(tiny_llama, monkeypatch):
+    """compile_workers > 0: the pool starts before the export, the warm-up's compile gets it (the CUDA
+    graph capture's too, on a GPU), and it is closed once the passes are done, or have failed."""
+    from autodeploy.kernels import compile_workers, precompile
+
+    class Workers:
+        closed = 0
+
+        def close(self):
+            Workers.closed += 1
+
+        def summary(self):
+            return "2 kernels compiled in 3 worker processes (0.5 s)"
+
+    started, handed, real = [], [], precompile.compile_in_parallel
+    monkeypatch.setattr(compile_workers, "start_compile_workers",
+                        lambda n, device: started.append((n, device.type)) or Workers())
+    monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)
+    monkeypatch.setattr(precompile, "compile_in_parallel",
+                        lambda run, n, pending=(), workers=None: handed.append(workers) or real(run, n, pending))
+    warm_up = {"warm_up": {"on_cpu": True, "compile_threads": 2}}
+    model = autodeploy.compile(tiny_llama, compile_workers=3, passes=warm_up, **CPU)
+    assert started == [(3, "cpu")] and len(handed) == 1 and isinstance(handed[0], Workers)
+    detail = next(r for r in model.report.passes if r.name == "warm_up").detail
+    assert "[2 kernels compiled in 3 worker processes (0.5 s) first]" in detail
+    assert Workers.closed == 1 and run_check(tiny_llama, compiled=model, steps=2, prompt_lens=(5,)).passed
+    with pytest.raises(ConfigError):  # raised after the export, with the pool running
+        autodeploy.compile(tiny_llama, compile_workers=3, passes={**warm_up, "fuse_qkv": {"nonexistent": 1}}, **CPU)
+    assert len(started) == 2 and Workers.closed == 2
 
 
 def test_warm_up_compile_threads_are_validated():
