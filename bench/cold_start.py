@@ -16,11 +16,11 @@ import tempfile
 import time
 
 CHILD = """
-import sys, time
+import json, sys, time
 started = time.time()
 from autodeploy import LLM, SamplingParams
 imported = time.time()
-llm = LLM(sys.argv[1], weights="random", dtype="bfloat16", max_seq_len=4096)
+llm = LLM(sys.argv[1], weights="random", dtype="bfloat16", max_seq_len=4096, **json.loads(sys.argv[2]))
 built = time.time()
 out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))
 print("FIRST_TOKEN", time.time(), out[0].outputs[0].token_ids, flush=True)
@@ -36,12 +36,16 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--compile-workers", type=int, default=0,
+                        help="CompileConfig.compile_workers: processes compiling Triton kernels (0: threads only)")
     args = parser.parse_args()
+    options = {"compile_workers": args.compile_workers} if args.compile_workers else {}
     config_dir = tempfile.mkdtemp()
     llama_config(args.shape).save_pretrained(config_dir)
     start = time.time()
     # cwd outside the repository: its source tree must not shadow the installed package
-    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir], capture_output=True, text=True, cwd=config_dir)
+    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir, json.dumps(options)], capture_output=True, text=True,
+                          cwd=config_dir)
     first = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_TOKEN")]
     if proc.returncode or not first:
         print(proc.stdout[-3000:], proc.stderr[-3000:])
@@ -52,7 +56,7 @@ def main() -> None:
     if stages:  # the interpreter's own start (process spawn, site imports) before the first line ran
         started = float(stages.split()[3].rstrip(";"))
         print(f"process start to the child's first line: {started - start:.1f} s")
-    print(json.dumps({"shape": args.shape, "cold_start_s": round(seconds, 1)}))
+    print(json.dumps({"shape": args.shape, **options, "cold_start_s": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ serially and once on a thread pool, each into a fresh Triton cache.
 
 ``--processes N`` adds a third way, an experiment for the warm-up (Triton holds the GIL in its
 Python code generation, ~14% of a compile, which bounds what threads gain on many cores): N worker
-processes (``spawn``, each importing only the kernels) compile the recorded specializations into the
-shared on-disk Triton cache, then this process loads every kernel from that cache. Worker start-up
-is timed apart: a runtime would start the pool while ``torch.export`` runs.
+processes (the runtime's ``compile_workers``, ``autodeploy.kernels.compile_workers``) compile the
+recorded specializations into the shared on-disk Triton cache, then this process loads every kernel
+from that cache. Worker start-up is timed apart: the runtime starts the pool before ``torch.export``.
 
     python bench/compile_parallel.py --threads 8,16 [--processes 16] [--no-serial]   # times, speed-ups
 """
@@ -22,6 +22,7 @@ import argparse
 import os
 import tempfile
 import time
+from concurrent.futures import wait
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
 import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers; this folder)
@@ -29,37 +30,14 @@ import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.driver import DriverBase
 
 from autodeploy.kernels import activation, attention_config, norm, pdl
 from autodeploy.kernels.attention_warmup import warm_up_launches
+from autodeploy.kernels.compile_workers import CompileOnlyDriver, CompileWorkers
 from autodeploy.kernels.precompile import KernelSpec, compile_specs, recording_compiles
 
 
-class Sm90Driver(DriverBase):
-    """Enough of a CUDA driver for the JIT to specialize and compile launches (never to run them)."""
-
-    @classmethod
-    def is_active(cls):
-        return False
-
-    def map_python_to_cpp_type(self, ty):
-        raise NotImplementedError("a compile-only driver: nothing is launched")
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_benchmarker(self):
-        raise NotImplementedError("a compile-only driver: nothing is timed on a GPU")
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
+SM90 = GPUTarget("cuda", 90, 32)
 
 
 def record_8b_warm_up(max_batch: int, max_tokens: int, max_blocks: int) -> list[KernelSpec]:
@@ -95,44 +73,17 @@ def timed_compile(specs: list[KernelSpec], threads: int) -> float:
     return time.perf_counter() - start
 
 
-def _worker_init() -> None:
-    """A pool worker: the kernels without autodeploy/__init__, and the stand-in sm_90 driver."""
-    os.environ["TRITON_INTERPRET"] = "0"
-    import kernels_only  # noqa: F401
-    import autodeploy.kernels.paged_attention  # noqa: F401  (the modules the recorded kernels live in)
-    import autodeploy.kernels.norm  # noqa: F401
-    import autodeploy.kernels.activation  # noqa: F401
-
-    triton.runtime.driver.set_active(Sm90Driver())
-
-
-def _compile_in_worker(module: str, name: str, data: str) -> float:
-    """Compile one recorded specialization into the on-disk cache; seconds it took."""
-    import importlib
-
-    start = time.perf_counter()
-    kernel = getattr(importlib.import_module(module), name)
-    kernel.preload(data)
-    return time.perf_counter() - start
-
-
 def timed_process_compile(specs: list[KernelSpec], processes: int) -> tuple[float, float, float]:
-    """(pool start-up s, compile s in the pool, load s here from the disk cache), into a fresh cache."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, wait
-
+    """(pool start-up s, compile s in the pool, load s here from the disk cache), into a fresh cache:
+    the runtime's ``compile_workers`` path (``autodeploy.kernels.compile_workers``)."""
     _fresh_caches(specs)
     start = time.perf_counter()
-    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_init)
-    wait([pool.submit(time.sleep, 0) for _ in range(processes)])  # every worker started and imported
+    workers = CompileWorkers(processes, SM90)
+    wait(workers._started)  # every worker spawned and imported
     started = time.perf_counter()
-    jobs = [pool.submit(_compile_in_worker, spec.kernel.fn.__module__, spec.kernel.fn.__name__, spec.data)
-            for spec in specs]
-    for job in jobs:
-        job.result()
+    workers.warm(specs)
     compiled = time.perf_counter()
-    pool.shutdown()
+    workers.close()
     compile_specs(specs, 1)  # every one a disk-cache hit
     return started - start, compiled - started, time.perf_counter() - compiled
 
@@ -146,7 +97,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--max-blocks", type=int, default=256, help="max_seq_len / tokens_per_block")
     args = parser.parse_args()
-    triton.runtime.driver.set_active(Sm90Driver())
+    triton.runtime.driver.set_active(CompileOnlyDriver(SM90))
     specs = record_8b_warm_up(args.max_batch, args.max_tokens, args.max_blocks)
     names = sorted({spec.kernel.fn.__name__ for spec in specs})
     print(f"triton {triton.__version__}, {os.cpu_count()} CPUs: {len(specs)} kernels ({', '.join(names)})")

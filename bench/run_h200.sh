@@ -50,6 +50,9 @@ for s in "$@"; do
     gemm_small) section gemm_small 150 python3 bench/gemm_sweep.py --shape smollm2 --batches 1,8 ;;
     decode) section decode 560 python3 bench/decode_bench.py --json "$OUT/decode.json" ;;
     coldstart) section coldstart 150 python3 bench/cold_start.py --shape llama8b ;;
+    coldstart_workers)  # fresh Triton caches each: threads only, then 15 compile worker processes (A/B, one host)
+      for w in 0 15; do TRITON_CACHE_DIR=$(mktemp -d) section coldstart_workers_$w 150 python3 bench/cold_start.py \
+          --shape llama8b --compile-workers $w; done ;;
     coldstart_pyc)  # the same with the libraries' bytecode compiled first, as `pip install` does (uv does not)
       export PYTHONPYCACHEPREFIX=/tmp/pyc  # writable wherever site-packages is not; the child inherits it
       section bytecode 300 python3 bench/compile_bytecode.py  # all of sys.path: the prefix hides every __pycache__
