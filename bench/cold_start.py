@@ -37,15 +37,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--compile-workers", type=int, default=0,
-                        help="CompileConfig.compile_workers: processes compiling Triton kernels (0: threads only)")
+                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only)")
     args = parser.parse_args()
     options = {"compile_workers": args.compile_workers} if args.compile_workers else {}
     config_dir = tempfile.mkdtemp()
     llama_config(args.shape).save_pretrained(config_dir)
     start = time.time()
     # cwd outside the repository: its source tree must not shadow the installed package
-    proc = subprocess.run([sys.executable, "-c", CHILD, config_dir, json.dumps(options)], capture_output=True, text=True,
-                          cwd=config_dir)
+    command = [sys.executable, "-c", CHILD, config_dir, json.dumps(options)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=config_dir)
     first = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_TOKEN")]
     if proc.returncode or not first:
         print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -44,7 +44,8 @@ def main() -> None:
     for label, path in dirs:
         began = time.perf_counter()
         ok = compileall.compile_dir(path, quiet=2, workers=os.cpu_count() or 1)
-        print(f"{label}: {time.perf_counter() - began:.1f} s{'' if ok else ' (some files are not valid Python, e.g. test fixtures)'}")
+        note = "" if ok else " (some files are not valid Python, e.g. test fixtures)"
+        print(f"{label}: {time.perf_counter() - began:.1f} s{note}")
     print(f"bytecode of {len(dirs)} directories in {time.perf_counter() - start:.1f} s "
           f"(PYTHONPYCACHEPREFIX={os.environ.get('PYTHONPYCACHEPREFIX', '')})")
 

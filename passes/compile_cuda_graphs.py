@@ -34,7 +34,8 @@ class CompileCudaGraphs(Pass):
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
         pool = ctx.artifacts["kv_pool"]
         runner = CudaGraphRunner(ctx.gm, pool, sizes, ctx.artifacts["kv_capacity"].max_blocks_per_seq)
-        runner.capture(compile_threads=threads_for(ctx.device), compile_workers=ctx.artifacts.get("compile_workers"))
+        workers = ctx.artifacts.get("compile_workers")
+        runner.capture(compile_threads=threads_for(ctx.device), compile_workers=workers)
         ctx.artifacts["cuda_graphs"] = runner
         compiled = f" ({runner.precompiled} kernels compiled on threads first)" if runner.precompiled else ""
         seconds = runner.capture_seconds

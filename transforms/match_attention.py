@@ -115,7 +115,7 @@ class MatchEagerAttention(_AttentionRule):
             specs.append(PatternSpec(fn, _example(masked, repeat), scalars, _IGNORE_REPEATS, name))
         # most specific first: a pattern without the mask must not claim a masked attention's core;
         # then the common spellings (no softcap), since apply_rule stops once every attention matched
-        return sorted(specs, key=lambda s: (-(len(s.example_inputs) + len(s.scalars)), "softcap" in s.scalars))
+        return sorted(specs, key=lambda s: (-len(s.example_inputs) - len(s.scalars), "softcap" in s.scalars))
 
     def check(self, m: Match, gm) -> str | None:
         for name in ("scale", "divisor", "softcap"):

@@ -89,7 +89,8 @@ class RewriteRule(ABC):
         key = (f"{type(self).__module__}.{type(self).__qualname__}", index)
         if key not in RewriteRule._traced:
             name = spec.name or f"{self.name}[{index}]"
-            RewriteRule._traced[key] = trace_pattern(name, spec.fn, spec.example_inputs, spec.scalars, spec.ignored)
+            traced = trace_pattern(name, spec.fn, spec.example_inputs, spec.scalars, spec.ignored)
+            RewriteRule._traced[key] = traced
         return RewriteRule._traced[key]
 
     def traced_patterns(self) -> list[Pattern]:
@@ -105,7 +106,7 @@ def apply_rule(gm: fx.GraphModule, rule: RewriteRule, provenance: str) -> RuleRe
     result = RuleResult()
     verified: set[tuple] = set()
     for index, spec in enumerate(rule.patterns()):
-        if not all(gm.graph.find_nodes(op="call_function", target=op, sort=False) for op in rule.required_ops):
+        if not all(_present(gm.graph, op) for op in rule.required_ops):
             break
         replaced = result.matches
         for m in find_matches(gm.graph, rule.traced_pattern(index, spec)):
@@ -125,6 +126,10 @@ def apply_rule(gm: fx.GraphModule, rule: RewriteRule, provenance: str) -> RuleRe
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return result
+
+
+def _present(graph: fx.Graph, op) -> bool:
+    return bool(graph.find_nodes(op="call_function", target=op, sort=False))
 
 
 def replace_match(gm: fx.GraphModule, m: Match, fn: Callable, kwargs: dict[str, Any], provenance: str) -> fx.Node:

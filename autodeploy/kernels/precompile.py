@@ -83,7 +83,8 @@ def threads_for(device: torch.device, configured: int | None = None) -> int:
     return default_threads() if configured is None else max(configured, 1)
 
 
-def precompile(run: Callable[[], object], device: torch.device, threads: int | None = None, workers=None) -> int:
+def precompile(run: Callable[[], object], device: torch.device, threads: int | None = None,
+               workers=None) -> int:
     """:func:`compile_in_parallel` on ``threads_for(device, threads)`` threads; 0 (nothing done) where
     that is one thread. Start-up code wraps its first launches in it, then runs them for real."""
     threads = threads_for(device, threads)

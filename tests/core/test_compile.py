@@ -139,8 +139,11 @@ def test_warm_up_compiles_on_threads_then_runs_for_real(tiny_llama, monkeypatch,
     monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)  # as on a GPU
     monkeypatch.setattr(precompile, "default_threads", lambda: 6)
     pools, real_compile = [], precompile.compile_in_parallel
-    monkeypatch.setattr(precompile, "compile_in_parallel",
-                        lambda run, n, pending=(), workers=None: pools.append(n) or real_compile(run, n, pending))
+    def counted(run, n, pending=(), workers=None):
+        pools.append(n)
+        return real_compile(run, n, pending)
+
+    monkeypatch.setattr(precompile, "compile_in_parallel", counted)
     steps, real_run = [], WarmUp._run
     monkeypatch.setattr(WarmUp, "_run", lambda self, ctx, s: steps.append(len(s)) or real_run(self, ctx, s))
     model = autodeploy.compile(tiny_llama, passes={"warm_up": {"on_cpu": True, "compile_threads": setting}}, **CPU)
@@ -196,16 +199,20 @@ def test_compile_workers_serve_the_warm_up_and_the_captures_then_close(tiny_llam
     monkeypatch.setattr(compile_workers, "start_compile_workers",
                         lambda n, device: started.append((n, device.type)) or Workers())
     monkeypatch.setattr(precompile, "parallel_compile_supported", lambda device: True)
-    monkeypatch.setattr(precompile, "compile_in_parallel",
-                        lambda run, n, pending=(), workers=None: handed.append(workers) or real(run, n, pending))
+    def handing(run, n, pending=(), workers=None):
+        handed.append(workers)
+        return real(run, n, pending)
+
+    monkeypatch.setattr(precompile, "compile_in_parallel", handing)
     warm_up = {"warm_up": {"on_cpu": True, "compile_threads": 2}}
     model = autodeploy.compile(tiny_llama, compile_workers=3, passes=warm_up, **CPU)
     assert started == [(3, "cpu")] and len(handed) == 1 and isinstance(handed[0], Workers)
     detail = next(r for r in model.report.passes if r.name == "warm_up").detail
     assert "[2 kernels compiled in 3 worker processes (0.5 s) first]" in detail
     assert Workers.closed == 1 and run_check(tiny_llama, compiled=model, steps=2, prompt_lens=(5,)).passed
+    bad_pass = {**warm_up, "fuse_qkv": {"nonexistent": 1}}
     with pytest.raises(ConfigError):  # raised after the export, with the pool running
-        autodeploy.compile(tiny_llama, compile_workers=3, passes={**warm_up, "fuse_qkv": {"nonexistent": 1}}, **CPU)
+        autodeploy.compile(tiny_llama, compile_workers=3, passes=bad_pass, **CPU)
     assert len(started) == 2 and Workers.closed == 2
 
 

@@ -32,7 +32,8 @@ def test_workers_compile_into_the_disk_cache_the_parent_then_reads(sm90, cache_h
     x, y = torch.zeros(64), torch.zeros(64)
     workers = CompileWorkers(2, GPUTarget("cuda", 90, 32))
     try:
-        assert compile_in_parallel(lambda: _launch_all(add_one, x, y, VARIANTS), threads=2, workers=workers) == 3
+        launches = lambda: _launch_all(add_one, x, y, VARIANTS)  # noqa: E731
+        assert compile_in_parallel(launches, threads=2, workers=workers) == 3
     finally:
         workers.close()
     assert cache_hits == [True, True, True]  # nothing compiled here: all three came from the workers

@@ -40,9 +40,10 @@ def in_a_clean_process(test):
     def run(*args, **kwargs):
         if tl.core.is_builtin(tl.core.arange):
             return test(*args, **kwargs)
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                f"{inspect.getsourcefile(test)}::{test.__name__}"], check=False, capture_output=True, text=True,
-                               timeout=600, cwd=Path(__file__).resolve().parents[2])
+        node_id = f"{inspect.getsourcefile(test)}::{test.__name__}"  # the test's own file, not this one's
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node_id],
+                               check=False, capture_output=True, text=True, timeout=600,
+                               cwd=Path(__file__).resolve().parents[2])
         assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
 
     return run
@@ -183,6 +184,7 @@ def test_precompile_runs_the_record_pass_only_where_kernels_compile(monkeypatch)
     cuda = torch.device("cuda", 0)
     assert precompile.threads_for(cuda, 0) == 1 and precompile.threads_for(cuda, 3) == 3
     assert precompile.threads_for(cuda) == precompile.default_threads()
-    monkeypatch.setattr(precompile, "compile_in_parallel", lambda run, threads, workers=None: (run(), threads)[1])
+    monkeypatch.setattr(precompile, "compile_in_parallel",
+                        lambda run, threads, workers=None: (run(), threads)[1])
     assert precompile.precompile(lambda: calls.append("ran"), cuda, threads=4) == 4 and calls == ["ran"]
     assert precompile.precompile(lambda: calls.append("again"), cuda, threads=1) == 0 and calls == ["ran"]
