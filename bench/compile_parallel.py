@@ -22,7 +22,6 @@ import argparse
 import os
 import tempfile
 import time
-from concurrent.futures import wait
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
 import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers; this folder)
@@ -79,7 +78,7 @@ def timed_process_compile(specs: list[KernelSpec], processes: int) -> tuple[floa
     _fresh_caches(specs)
     start = time.perf_counter()
     workers = CompileWorkers(processes, SM90)
-    wait(workers._started)  # every worker spawned and imported
+    workers.wait_until_started()
     started = time.perf_counter()
     workers.warm(specs)
     compiled = time.perf_counter()

@@ -72,8 +72,12 @@ class CompileWorkers:
         # the executor spawns on demand: one no-op per worker starts them all now
         self._started = [self._pool.submit(_ready) for _ in range(processes)]
 
-    def warm(self, specs: Sequence[KernelSpec]) -> int:
-        """Compile ``specs`` into the on-disk cache on the workers; how many they compiled."""
+    def wait_until_started(self) -> None:
+        """Block until every worker has spawned and run its initializer."""
+        wait(self._started)
+
+    def warm(self, specs: Sequence[KernelSpec]) -> None:
+        """Compile ``specs`` into the on-disk cache on the workers (counted in ``compiled``)."""
         start = time.perf_counter()
         jobs = [self._pool.submit(_compile, _kernel_path(spec.kernel), spec.data) for spec in specs]
         wait(jobs)
@@ -84,7 +88,6 @@ class CompileWorkers:
             log.warning("compile worker failed on %s (%s: %s); compiling it here", spec.describe(),
                         type(error).__name__, last_line)
         self.compiled += len(specs) - len(failed)
-        return len(specs) - len(failed)
 
     def summary(self) -> str:
         return f"{self.compiled} kernels compiled in {self.processes} worker processes ({self.seconds:.1f} s)"
@@ -113,8 +116,8 @@ def _init_worker(backend: str, arch, warp_size: int) -> None:
     triton.runtime.driver.set_active(CompileOnlyDriver(GPUTarget(backend, arch, warp_size)))
 
 
-def _ready() -> float:
-    return time.time()
+def _ready() -> None:
+    """A no-op task: running it means the worker has started."""
 
 
 def _compile(path: tuple[str, str], data: str) -> None:
