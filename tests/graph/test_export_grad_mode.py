@@ -4,10 +4,10 @@ recorded, they make export split and re-inline the whole graph (~20% of a 32-lay
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import AutoConfig
 
 from autodeploy.export import _SkipRedundantGradModeSets, export_model
 from autodeploy.model_loading import build_meta_model
+from autodeploy.tiny import tiny_config
 
 split_pass = pytest.importorskip("torch._export.passes.replace_set_grad_with_hop_pass")
 
@@ -60,9 +60,7 @@ def test_plain_export_splits_at_no_grad(monkeypatch):
 
 
 def test_llama_export_does_not_split(monkeypatch):
-    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    model, _ = build_meta_model(config, torch.float32, "sdpa")
+    model, _ = build_meta_model(tiny_config("llama"), torch.float32, "sdpa")
     splits = _count_graph_splits(monkeypatch)
     gm = export_model(model)
     assert splits[0] == 0
