@@ -9,17 +9,24 @@ every kernel exactly as without workers (``compile_specs``), now reading each fr
 
 Workers only warm a cache: a spec a worker fails on, or one whose cache key came out differently, is
 compiled by the parent as before, so the kernels that run are the same either way. The pool starts
-before ``torch.export`` (``compiler.compile_config``), so the workers' imports overlap it.
+before ``torch.export`` (``compiler.compile_config``), so the workers' imports overlap it. On by default
+on CUDA (:func:`default_workers`): on 16-core H100 hosts 15 workers took 2-9 s off an 8B cold start of
+38-59 s, though their imports slow the export by up to a few seconds (docs/perf.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
-import multiprocessing
+import os
+import queue
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import torch
 import triton
@@ -29,6 +36,8 @@ from triton.backends.driver import DriverBase
 from .precompile import KernelSpec, parallel_compile_supported
 
 log = logging.getLogger("autodeploy.kernels")
+
+MAX_DEFAULT_WORKERS = 16  # 15, measured on 16-core hosts: docs/perf.md
 
 
 class CompileOnlyDriver(DriverBase):
@@ -61,44 +70,147 @@ class CompileOnlyDriver(DriverBase):
 
 
 class CompileWorkers:
-    """``processes`` spawned workers compiling for ``target``; started at construction."""
+    """``processes`` worker processes compiling for ``target``; started at construction.
+
+    Each worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that reads one kernel
+    per line on its stdin and answers one line on a private pipe. Unlike ``multiprocessing``'s spawn,
+    this never re-imports the parent's ``__main__``, so a script without an ``if __name__ ==
+    "__main__":`` guard is safe. One thread per worker feeds it from a shared queue.
+    """
 
     def __init__(self, processes: int, target: GPUTarget):
-        context = multiprocessing.get_context("spawn")  # fork would copy a CUDA-initialized parent
         self.processes = processes
         self.compiled, self.seconds = 0, 0.0  # kernels the workers compiled, wall time spent waiting on them
-        self._pool = ProcessPoolExecutor(processes, mp_context=context, initializer=_init_worker,
-                                         initargs=(target.backend, target.arch, target.warp_size))
-        # the executor spawns on demand: one no-op per worker starts them all now
-        self._started = [self._pool.submit(_ready) for _ in range(processes)]
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._alive, self._closed = processes, False  # workers still taking kernels; no more submissions
+        self._started = [Future() for _ in range(processes)]
+        target_args = [target.backend, target.arch, target.warp_size]
+        args = json.dumps({"sys_path": [str(path) for path in sys.path], "target": target_args})
+        self._processes = [subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, args], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+        for process, started in zip(self._processes, self._started):
+            threading.Thread(target=self._feed, args=(process, started), name="triton-compile-worker",
+                             daemon=True).start()
 
     def wait_until_started(self) -> None:
-        """Block until every worker has spawned and run its initializer."""
+        """Block until every worker has imported Triton and the kernels' package (or died trying)."""
         wait(self._started)
 
     def warm(self, specs: Sequence[KernelSpec]) -> None:
         """Compile ``specs`` into the on-disk cache on the workers (counted in ``compiled``)."""
         start = time.perf_counter()
-        jobs = [self._pool.submit(_compile, _kernel_path(spec.kernel), spec.data) for spec in specs]
+        jobs = [self._submit(_kernel_path(spec.kernel), spec.data) for spec in specs]
         wait(jobs)
         self.seconds += time.perf_counter() - start
         failed = [(spec, job.exception()) for spec, job in zip(specs, jobs) if job.exception() is not None]
         for spec, error in failed:  # the parent compiles these itself and raises a genuine error, if any
             last_line = (str(error).strip().splitlines() or [""])[-1]
             log.warning("compile worker failed on %s (%s: %s); compiling it here", spec.describe(),
-                        type(error).__name__, last_line)
+                        getattr(error, "kind", type(error).__name__), last_line)
         self.compiled += len(specs) - len(failed)
 
     def summary(self) -> str:
         return f"{self.compiled} kernels compiled in {self.processes} worker processes ({self.seconds:.1f} s)"
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers once their current kernel is done; what is still queued is not compiled."""
+        with self._lock:
+            self._closed = True
+        self._fail_queued(RuntimeError("compile workers closed"))
+        for _ in range(self.processes):
+            self._tasks.put(None)
+
+    def _submit(self, path: tuple[str, str], data: str) -> Future:
+        job: Future = Future()
+        with self._lock:
+            if self._alive > 0 and not self._closed:
+                self._tasks.put((job, json.dumps({"module": path[0], "name": path[1], "data": data})))
+                return job
+        job.set_exception(RuntimeError("no compile worker is running"))
+        return job
+
+    def _feed(self, process: subprocess.Popen, started: Future) -> None:
+        """One thread per worker: pass it queued kernels, one at a time, until told to stop or it dies."""
+        try:
+            alive = process.stdout.readline().strip() == "ready"
+            started.set_result(alive)
+            while alive and (task := self._tasks.get()) is not None:
+                job, line = task
+                alive = _ask(process, line, job)
+        finally:
+            if not started.done():
+                started.set_result(False)
+            _stop(process)
+            with self._lock:
+                self._alive -= 1
+                last = self._alive == 0
+            if last:  # nobody is left to take what is queued
+                self._fail_queued(RuntimeError("every compile worker exited"))
+
+    def _fail_queued(self, error: Exception) -> None:
+        """Settle every queued kernel with ``error``; the stop signals drained on the way go back."""
+        stops = 0
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is None:
+                stops += 1
+            else:
+                task[0].set_exception(error)
+        for _ in range(stops):
+            self._tasks.put(None)
 
 
-def start_compile_workers(processes: int, device: torch.device) -> CompileWorkers | None:
-    """Workers compiling for ``device``'s target; None where there are none to start (0 processes, a
-    device without Triton compiles, the interpreter)."""
+class WorkerCompileError(RuntimeError):
+    """A kernel a worker failed to compile; ``kind`` names the exception raised there."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Close a worker's pipes (end of input: it exits) and reap it."""
+    try:
+        process.stdin.close()
+    except OSError:  # unflushed input to a worker that died
+        pass
+    process.stdout.close()
+    process.wait()
+
+
+def _ask(process: subprocess.Popen, line: str, job: Future) -> bool:
+    """Send one kernel to a worker and settle ``job`` with its answer; False if the worker is gone."""
+    try:
+        process.stdin.write(line + "\n")
+        process.stdin.flush()
+        answer = process.stdout.readline()
+    except OSError as exc:  # a closed pipe: the worker died
+        answer = f"{type(exc).__name__}: {exc}"
+    if not answer.endswith("\n"):
+        job.set_exception(RuntimeError(f"compile worker exited (code {process.poll()}) {answer.strip()}"))
+        return False
+    reply = json.loads(answer)
+    if reply["ok"]:
+        job.set_result(None)
+    else:
+        job.set_exception(WorkerCompileError(reply["type"], reply["message"]))
+    return True
+
+
+def default_workers() -> int:
+    """One fewer than the cores this process may run on, at most 16; none below 4 cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_DEFAULT_WORKERS, cores - 1) if cores >= 4 else 0
+
+
+def start_compile_workers(processes: int | None, device: torch.device) -> CompileWorkers | None:
+    """Workers compiling for ``device``'s target (``processes``, None: :func:`default_workers`); None
+    where there are none to start (0 processes, a device without Triton compiles, the interpreter)."""
+    processes = default_workers() if processes is None else processes
     if processes <= 0 or not parallel_compile_supported(device):
         return None
     with torch.cuda.device(device):
@@ -112,16 +224,41 @@ def _kernel_path(kernel) -> tuple[str, str]:
     return kernel.fn.__module__, kernel.fn.__name__
 
 
-def _init_worker(backend: str, arch, warp_size: int) -> None:
+# A worker needs the kernels' modules, not the runtime: an empty `autodeploy` package stands in for its
+# __init__ (transformers, pydantic, ...), a third of the import's CPU time (1.0 s against 3.1-4.1 s).
+_BOOTSTRAP = """
+import importlib.util, json, sys, types
+args = json.loads(sys.argv[1])
+sys.path[:] = args["sys_path"]
+spec = importlib.util.find_spec("autodeploy")
+package = types.ModuleType("autodeploy")
+package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+sys.modules["autodeploy"] = package
+from autodeploy.kernels.compile_workers import serve_compiles
+serve_compiles(*args["target"])
+"""
+
+
+def serve_compiles(backend: str, arch, warp_size: int) -> None:
+    """A worker's main loop: compile each kernel named on stdin, answer each on the original stdout.
+
+    Anything else printed goes to stderr, so stray output cannot corrupt the answers.
+    """
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     triton.runtime.driver.set_active(CompileOnlyDriver(GPUTarget(backend, arch, warp_size)))
+    answers.write("ready\n")
+    for line in sys.stdin:
+        task = json.loads(line)
+        try:
+            _compile(task["module"], task["name"], task["data"])
+            reply = {"ok": True}
+        except Exception as exc:  # noqa: BLE001 (reported to the parent, which compiles it itself)
+            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        answers.write(json.dumps(reply) + "\n")
 
 
-def _ready() -> None:
-    """A no-op task: running it means the worker has started."""
-
-
-def _compile(path: tuple[str, str], data: str) -> None:
-    module, name = path
+def _compile(module: str, name: str, data: str) -> None:
     kernel = getattr(importlib.import_module(module), name)
     while not isinstance(kernel, triton.runtime.JITFunction):  # autotuner / heuristics wrappers
         kernel = kernel.fn
