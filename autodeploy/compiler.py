@@ -96,8 +96,8 @@ def compile_config(
 
 
 def _start_compile_workers(config: CompileConfig, device: torch.device):
-    if config.compile_workers <= 0:
-        return None
+    if config.compile_workers == 0 or (config.compile_workers is None and device.type != "cuda"):
+        return None  # by default only where Triton compiles for a GPU
     from .kernels.compile_workers import start_compile_workers  # triton only where asked for
 
     return start_compile_workers(config.compile_workers, device)

@@ -36,10 +36,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama8b")
-    parser.add_argument("--compile-workers", type=int, default=0,
-                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only)")
+    parser.add_argument("--compile-workers", type=int, default=None,
+                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
+                        "default: the runtime's)")
     args = parser.parse_args()
-    options = {"compile_workers": args.compile_workers} if args.compile_workers else {}
+    options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
     config_dir = tempfile.mkdtemp()
     llama_config(args.shape).save_pretrained(config_dir)
     start = time.time()

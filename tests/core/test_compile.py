@@ -216,6 +216,20 @@ def test_compile_workers_serve_the_warm_up_and_the_captures_then_close(tiny_llam
     assert len(started) == 2 and Workers.closed == 2
 
 
+def test_compile_workers_default_on_cuda_only(monkeypatch):
+    """Unset, ``compile_workers`` starts the default pool on CUDA and nothing elsewhere; 0 turns it off."""
+    from autodeploy import compiler
+    from autodeploy.kernels import compile_workers
+
+    started = []
+    monkeypatch.setattr(compile_workers, "start_compile_workers", lambda n, device: started.append(n) or "pool")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compiler._start_compile_workers(CompileConfig(), cuda) == "pool" and started == [None]
+    assert compiler._start_compile_workers(CompileConfig(), cpu) is None
+    assert compiler._start_compile_workers(CompileConfig(compile_workers=0), cuda) is None
+    assert started == [None]
+
+
 def test_warm_up_compile_threads_are_validated():
     with pytest.raises(ConfigError, match="config of pass 'warm_up'.*compile_threads"):
         load_pipeline(overrides={"warm_up": {"compile_threads": -1}})
