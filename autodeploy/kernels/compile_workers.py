@@ -182,6 +182,14 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def _exit_code(process: subprocess.Popen) -> int | None:
+    """The code of a worker whose output just closed: it is exiting, give it a moment."""
+    try:
+        return process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _ask(process: subprocess.Popen, line: str, job: Future) -> bool:
     """Send one kernel to a worker and settle ``job`` with its answer; False if the worker is gone."""
     try:
@@ -191,9 +199,13 @@ def _ask(process: subprocess.Popen, line: str, job: Future) -> bool:
     except OSError as exc:  # a closed pipe: the worker died
         answer = f"{type(exc).__name__}: {exc}"
     if not answer.endswith("\n"):
-        job.set_exception(RuntimeError(f"compile worker exited (code {process.poll()}) {answer.strip()}"))
+        job.set_exception(RuntimeError(f"compile worker exited (code {_exit_code(process)}) {answer.strip()}"))
         return False
-    reply = json.loads(answer)
+    try:
+        reply = json.loads(answer)
+    except ValueError:  # not our protocol: stop using this worker
+        job.set_exception(RuntimeError(f"compile worker answered {answer.strip()[:200]!r}"))
+        return False
     if reply["ok"]:
         job.set_result(None)
     else:

@@ -137,3 +137,17 @@ def test_a_failed_compile_comes_back_named_and_close_stops_the_workers():
         assert process.wait(timeout=30) == 0
     with pytest.raises(RuntimeError, match="no compile worker is running"):
         workers._submit(("compile_worker_kernel", "add_one"), "{}").result(timeout=1)
+
+
+def test_an_answer_outside_the_protocol_fails_the_kernel_and_retires_the_worker():
+    import io
+    from concurrent.futures import Future
+
+    class Worker:
+        stdin, stdout = io.StringIO(), io.StringIO("Traceback: something printed on the answer pipe\n")
+
+    job = Future()
+    assert compile_workers._ask(Worker(), '{"module": "m"}', job) is False
+    assert Worker.stdin.getvalue() == '{"module": "m"}\n'
+    with pytest.raises(RuntimeError, match="compile worker answered 'Traceback: something printed"):
+        job.result(timeout=1)
