@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 
-from .precompile import KernelSpec, parallel_compile_supported
+from .precompile import KernelSpec, available_cores, parallel_compile_supported
 
 log = logging.getLogger("autodeploy.kernels")
 
@@ -215,7 +215,7 @@ def _ask(process: subprocess.Popen, line: str, job: Future) -> bool:
 
 def default_workers() -> int:
     """One fewer than the cores this process may run on, at most 16; none below 4 cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = available_cores()
     return min(MAX_DEFAULT_WORKERS, cores - 1) if cores >= 4 else 0
 
 

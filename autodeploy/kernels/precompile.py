@@ -61,10 +61,14 @@ class KernelSpec:
         return f"{data['name']}[num_warps={options['num_warps']}, num_stages={options['num_stages']}]({constants})"
 
 
+def available_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_threads() -> int:
     """min(8, the cores this process may run on)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cores))
+    return max(1, min(MAX_DEFAULT_THREADS, available_cores()))
 
 
 def parallel_compile_supported(device: torch.device) -> bool:
