@@ -1,9 +1,15 @@
 """Cold start: process start to the first generated token, in a fresh process.
 
-    python bench/cold_start.py --shape llama8b
+    python bench/cold_start.py --shape llama8b [--impl autodeploy|hf_eager|hf_static]
 
-The child builds the model from a config directory with random bf16 weights (no checkpoint to read),
-compiles it with the defaults of ``autodeploy serve`` (CUDA graphs included) and generates one token.
+The child builds the model from a config directory with random bf16 weights (no checkpoint to read)
+and generates:
+
+- ``autodeploy``: compiled with the defaults of ``autodeploy serve`` (CUDA graphs included), one token;
+- ``hf_eager``: transformers' ``generate``, one token;
+- ``hf_static``: ``generate(cache_implementation="static")``, two tokens: the first comes from the eager
+  prompt forward, the second from the decode forward transformers compiles (``torch.compile``), so the
+  time includes the compile a served HF model pays before its first decode step.
 """
 
 from __future__ import annotations
@@ -30,34 +36,67 @@ print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} 
       f"LLM() {built - imported:.1f} s ({stages}); first token {time.time() - built:.1f} s", flush=True)
 """
 
+CHILD_HF = """
+import sys, time
+started = time.time()
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+imported = time.time()
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16).eval()
+built = time.time()
+static = sys.argv[2] == "hf_static"
+tokens = 2 if static else 1
+with torch.inference_mode():
+    out = model.generate(torch.tensor([[1, 2, 3, 4]], device="cuda"), max_new_tokens=tokens, min_new_tokens=tokens,
+                         do_sample=False, pad_token_id=0, cache_implementation="static" if static else None)
+print("FIRST_TOKEN", time.time(), out[0, 4:].tolist(), flush=True)
+print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} s; "
+      f"model built {built - imported:.1f} s; generate {time.time() - built:.1f} s", flush=True)
+"""
+IMPLS = ("autodeploy", "hf_eager", "hf_static")
 
-def main() -> None:
+
+def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None) -> tuple[float, str]:
+    """(seconds from process start to the first token, the child's STAGES line) of one fresh process."""
     from decode_bench import llama_config
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama8b")
-    parser.add_argument("--compile-workers", type=int, default=None,
-                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
-                        "default: the runtime's)")
-    args = parser.parse_args()
-    options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     config_dir = tempfile.mkdtemp()
-    llama_config(args.shape).save_pretrained(config_dir)
+    llama_config(shape).save_pretrained(config_dir)
+    argument = json.dumps(options or {}) if impl == "autodeploy" else impl
     start = time.time()
     # cwd outside the repository: its source tree must not shadow the installed package
-    command = [sys.executable, "-c", CHILD, config_dir, json.dumps(options)]
+    command = [sys.executable, "-c", CHILD if impl == "autodeploy" else CHILD_HF, config_dir, argument]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=config_dir)
     first = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_TOKEN")]
     if proc.returncode or not first:
-        print(proc.stdout[-3000:], proc.stderr[-3000:])
-        sys.exit(1)
+        raise RuntimeError(f"the {impl} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     seconds = float(first[0].split()[1]) - start
     print(proc.stdout.split("\n", 1)[1] if "\n" in proc.stdout else "")
     stages = next((line for line in proc.stdout.splitlines() if line.startswith("STAGES")), "")
     if stages:  # the interpreter's own start (process spawn, site imports) before the first line ran
         started = float(stages.split()[3].rstrip(";"))
         print(f"process start to the child's first line: {started - start:.1f} s")
-    print(json.dumps({"shape": args.shape, **options, "cold_start_s": round(seconds, 1)}))
+    return seconds, stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--compile-workers", type=int, default=None,
+                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
+                        "default: the runtime's)")
+    parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
+    args = parser.parse_args()
+    options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
+    try:
+        seconds, _ = cold_start(args.shape, args.impl, options)
+    except RuntimeError as error:
+        print(error)
+        sys.exit(1)
+    print(json.dumps({"shape": args.shape, "impl": args.impl, **options, "cold_start_s": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""bench/full_table.py (issue 4's one-run table): its offline floor, its HF peers and its merged table, on the CPU."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import full_table  # noqa: E402
+import hf_peers  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128)
+
+
+def _linear_weights(cfg) -> tuple[int, int]:
+    """(weights of the decoder layers' linears, weights of the LM head) of the real HF model."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layers = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    return layers, model.lm_head.weight.numel()
+
+
+def test_offline_floor_counts_every_linear_flop_and_the_decodes_kv_reads():
+    cfg = LlamaConfig(**TINY)
+    layers, head = _linear_weights(cfg)
+    flops = full_table.offline_floor_s(cfg, 8, 4, 3, flops_per_s=1.0, bytes_per_s=math.inf)
+    assert flops == 2 * (layers * 3 * (8 + 4) + head * 3 * 4)
+    kv_bytes = full_table.offline_floor_s(cfg, 8, 4, 3, flops_per_s=math.inf, bytes_per_s=1.0)
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (64 // 4) * 2  # K and V, bf16
+    assert kv_bytes == 3 * (8 + 9 + 10 + 11) * per_token
+
+
+def test_offline_floor_of_the_8b_shape_puts_20k_tokens_per_s_near_its_roofline():
+    """The anchors' rates: 128/128 x 512 cannot beat ~2.9 s (~23k tok/s); 1000/1000 is KV-bound."""
+    from decode_bench import llama_config
+
+    cfg = llama_config("llama8b")
+    short = full_table.offline_floor_s(cfg, 128, 128, 512, 767e12, 4.18e12)
+    long = full_table.offline_floor_s(cfg, 1000, 1000, 512, 767e12, 4.18e12)
+    assert 2.7 < short < 3.0 and 512 * 128 / short < 24_500
+    assert 40 < long < 46
+
+
+@pytest.mark.parametrize("impl", hf_peers.IMPLS)
+def test_hf_peers_generate_every_requested_token(impl):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    seconds, ran = hf_peers.hf_offline(model, impl, input_len=6, output_len=5, num_requests=4, batch=2)
+    assert ran == 4 and seconds > 0
+    out = hf_peers.generate_batch(model, torch.ones(2, 3, dtype=torch.long), 7, impl, stop_after=2)
+    assert out.shape == (2, 5)  # the warm-up's early stop
+    with pytest.raises(ValueError, match="batches of 3"):
+        hf_peers.hf_offline(model, impl, 6, 5, num_requests=4, batch=3)
+    with pytest.raises(ValueError, match="unknown HF peer"):
+        hf_peers.generate_batch(model, torch.ones(1, 3, dtype=torch.long), 2, "hf_turbo")
+
+
+def test_cold_start_rejects_an_unknown_impl():
+    import cold_start
+
+    with pytest.raises(ValueError, match="unknown impl"):
+        cold_start.cold_start("smollm2", "vllm")
+
+
+def test_merged_table_prints_every_row_with_its_roofline_share(tmp_path, capsys, monkeypatch):
+    header = {"date": "2026-12-05", "device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0",
+              "transformers": "5.17.0", "sections": "decode", "bandwidth": 4.18e12, "gemm_flops": 767e12}
+    parts = [
+        [full_table.TableRow("decode", "llama8b batch 1", "autodeploy engine", 0.004, 250.0, 0.0036, "x")],
+        [full_table.TableRow("offline", "llama8b 128/128 x 512", "hf_static", 20.0, 3276.8, 3.0),
+         full_table.TableRow("coldstart", "llama8b process start to first token", "autodeploy", 40.0)],
+    ]
+    paths = []
+    for i, rows in enumerate(parts):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps({"header": header | {"sections": f"part {i}"},
+                                         "rows": [r.__dict__ for r in rows]}))
+    monkeypatch.setattr(sys, "argv", ["full_table.py", "--merge", *map(str, paths)])
+    full_table.main()
+    out = capsys.readouterr().out
+    assert "sections part 0" in out and "sections part 1" in out and "4.18 TB/s" in out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("llama8b")}
+    assert "4.000 ms" in lines["batch"] and "90%" in lines["batch"]
+    assert "20.00 s" in lines["128/128"] and "15%" in lines["128/128"]
+    assert "40.00 s" in lines["process"] and lines["process"].split()[-2:] == ["-", "-"]
