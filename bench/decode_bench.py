@@ -99,11 +99,11 @@ def timed_steps(step, steps: int, warmup: int = 3) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def hf_model(cfg):
+def hf_model(cfg, attn_implementation: str | None = None):
     from transformers import AutoModelForCausalLM
 
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn_implementation)
     return model.eval()
 
 

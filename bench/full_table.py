@@ -95,9 +95,12 @@ def offline_rows(args, bandwidth: float, flops: float) -> Iterator[TableRow]:
         input_len, output_len = (int(n) for n in case.split("/"))
         workload = f"{args.offline_shape} {case} x {args.requests}"
         floor = offline_floor_s(cfg, input_len, output_len, args.requests, flops, bandwidth)
-        yield _autodeploy_offline(cfg, input_len, output_len, args, workload, floor)
-        model = hf_model(cfg)
-        for impl in PEERS:
+        if "autodeploy" in args.impls.split(","):
+            yield _autodeploy_offline(cfg, input_len, output_len, args, workload, floor)
+        peers = [impl for impl in PEERS if impl in args.impls.split(",")]
+        # sdpa: what from_pretrained gives an HF user (its eager attention runs out of memory at 1000 tokens)
+        model = hf_model(cfg, attn_implementation="sdpa") if peers else None
+        for impl in peers:
             yield _hf_offline(model, impl, input_len, output_len, args, workload, floor)
             torch._dynamo.reset()
         del model
@@ -128,8 +131,19 @@ def _hf_offline(model, impl: str, input_len: int, output_len: int, args, workloa
 
     batch = args.hf_batch_short if input_len + output_len <= 512 else args.hf_batch_long
     requests = args.requests if input_len + output_len <= 512 else min(args.requests, args.hf_requests_long)
-    seconds, ran = hf_offline(model, impl, input_len, output_len, requests, batch)
-    note = f"batches of {batch}"
+    note = ""
+    while True:  # the largest batch that fits: HF's caches and prefill activations grow with it
+        try:
+            seconds, ran = hf_offline(model, impl, input_len, output_len, requests, batch)
+            break
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+            note += f"batches of {batch} ran out of memory; "
+            batch //= 2
+            torch._dynamo.reset()
+            _free()
+    note += f"batches of {batch}"
     if ran < args.requests:  # the same batches again: the rate of the first ones is the run's rate
         note += f"; {ran} of the {args.requests} requests run, seconds scaled to all"
         seconds *= args.requests / ran
@@ -139,7 +153,7 @@ def _hf_offline(model, impl: str, input_len: int, output_len: int, args, workloa
 def coldstart_rows(args) -> Iterator[TableRow]:
     from cold_start import IMPLS, cold_start
 
-    for impl in IMPLS:
+    for impl in (i for i in IMPLS if i in args.impls.split(",")):
         seconds, stages = cold_start(args.offline_shape, impl)
         yield TableRow("coldstart", f"{args.offline_shape} process start to first token", impl, seconds,
                        note=stages.split("; ", 1)[-1])
@@ -211,16 +225,20 @@ def main() -> None:
     p.add_argument("--static-batches", default="1,64", help="decode: batches with HF static cache + torch.compile")
     p.add_argument("--context", type=int, default=512, help="decode: cached tokens per sequence")
     p.add_argument("--steps", type=int, default=20, help="decode: timed steps")
+    p.add_argument("--impls", default="autodeploy," + ",".join(PEERS), help="offline and cold start: which to run")
     p.add_argument("--offline", default="128/128,1000/1000", help="offline: input/output lengths")
     p.add_argument("--offline-shape", default="llama8b", help="offline and cold start: model shape")
     p.add_argument("--requests", type=int, default=512, help="offline: requests")
     p.add_argument("--hf-batch-short", type=int, default=512, help="offline, HF peers: batch at 128/128")
-    p.add_argument("--hf-batch-long", type=int, default=128, help="offline, HF peers: batch at 1000/1000 (memory)")
+    p.add_argument("--hf-batch-long", type=int, default=128, help="offline, HF peers: batch at 1000/1000 (halved while it runs out of memory)")
     p.add_argument("--hf-requests-long", type=int, default=128,
                    help="offline, HF peers at 1000/1000: requests run (whole batches; the rate scales to all)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="print one table from these files")
     args = p.parse_args()
+    unknown = set(args.impls.split(",")) - {"autodeploy", *PEERS}
+    if unknown:
+        p.error(f"unknown --impls {sorted(unknown)}; expected some of autodeploy, {', '.join(PEERS)}")
     if args.merge:
         loaded = [json.load(open(path)) for path in args.merge]
         rows = [TableRow(**row) for part in loaded for row in part["rows"]]

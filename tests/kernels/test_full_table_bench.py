@@ -89,3 +89,28 @@ def test_merged_table_prints_every_row_with_its_roofline_share(tmp_path, capsys,
     assert "4.000 ms" in lines["batch"] and "90%" in lines["batch"]
     assert "20.00 s" in lines["128/128"] and "15%" in lines["128/128"]
     assert "40.00 s" in lines["process"] and lines["process"].split()[-2:] == ["-", "-"]
+
+
+def test_hf_offline_row_halves_the_batch_until_it_fits(monkeypatch):
+    tried = []
+
+    def fake_offline(model, impl, input_len, output_len, requests, batch):
+        tried.append(batch)
+        if batch > 32:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 10.0, requests
+
+    monkeypatch.setattr(hf_peers, "hf_offline", fake_offline)
+    monkeypatch.setattr(full_table, "_free", lambda: None)
+    args = full_table.argparse.Namespace(hf_batch_short=512, hf_batch_long=128, hf_requests_long=128, requests=512)
+    row = full_table._hf_offline(None, "hf_eager", 1000, 1000, args, "w", floor=5.0)
+    assert tried == [128, 64, 32]
+    assert row.note.startswith("batches of 128 ran out of memory; batches of 64 ran out of memory; batches of 32")
+    assert row.seconds == 40.0 and row.tokens_per_s == 512 * 1000 / 40.0  # 128 of 512 requests run: scaled
+
+
+def test_unknown_impl_is_refused_before_anything_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["full_table.py", "--impls", "autodeploy,vllm"])
+    with pytest.raises(SystemExit):
+        full_table.main()
+    assert "unknown --impls ['vllm']" in capsys.readouterr().err
