@@ -119,8 +119,9 @@ def _autodeploy_offline(cfg, input_len: int, output_len: int, args, workload: st
     model = compile_config(cfg, config)
     result = run_offline(model, input_len, output_len, args.requests)
     print(result.summary(), flush=True)
-    note = (f"max batch {max_batch}; {result.steps.decode_steps} decode steps of "
-            f"{result.steps.decode_ms / max(1, result.steps.decode_steps):.1f} ms at {result.steps.decode_seqs:.0f} seqs")
+    steps = result.steps
+    note = (f"max batch {max_batch}; {steps.decode_steps} decode steps of "
+            f"{steps.decode_ms / max(1, steps.decode_steps):.1f} ms at {steps.decode_seqs:.0f} seqs")
     del model
     _free()
     return TableRow("offline", workload, "autodeploy", result.seconds, result.output_throughput, floor, note)
@@ -139,10 +140,11 @@ def _hf_offline(model, impl: str, input_len: int, output_len: int, args, workloa
         except torch.OutOfMemoryError:
             if batch == 1:
                 raise
-            note += f"batches of {batch} ran out of memory; "
-            batch //= 2
-            torch._dynamo.reset()
-            _free()
+        # freed here, not in the except block, whose traceback still holds the failed batch's tensors
+        note += f"batches of {batch} ran out of memory; "
+        batch //= 2
+        torch._dynamo.reset()
+        _free()
     note += f"batches of {batch}"
     if ran < args.requests:  # the same batches again: the rate of the first ones is the run's rate
         note += f"; {ran} of the {args.requests} requests run, seconds scaled to all"
@@ -230,7 +232,8 @@ def main() -> None:
     p.add_argument("--offline-shape", default="llama8b", help="offline and cold start: model shape")
     p.add_argument("--requests", type=int, default=512, help="offline: requests")
     p.add_argument("--hf-batch-short", type=int, default=512, help="offline, HF peers: batch at 128/128")
-    p.add_argument("--hf-batch-long", type=int, default=128, help="offline, HF peers: batch at 1000/1000 (halved while it runs out of memory)")
+    p.add_argument("--hf-batch-long", type=int, default=128,
+                   help="offline, HF peers: batch at 1000/1000 (halved while it runs out of memory)")
     p.add_argument("--hf-requests-long", type=int, default=128,
                    help="offline, HF peers at 1000/1000: requests run (whole batches; the rate scales to all)")
     p.add_argument("--json", default=None, help="also write the rows here")
