@@ -114,3 +114,13 @@ def test_unknown_impl_is_refused_before_anything_runs(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         full_table.main()
     assert "unknown --impls ['vllm']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["hf_eager", "hf_static"])
+def test_hf_cold_start_child_generates_its_tokens_in_a_fresh_process(impl):
+    import cold_start
+
+    seconds, stages = cold_start.cold_start("smollm2", impl)
+    tokens = 2 if impl == "hf_static" else 1  # the static peer's second token comes from its decode forward
+    assert seconds > 0 and "model built" in stages and f"({tokens} tokens)" in stages
