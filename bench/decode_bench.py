@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -197,21 +198,23 @@ def bench_engine(model, batch: int, context: int, steps: int) -> tuple[float, fl
     return timing.ms, timing.waited_ms
 
 
-def run_shape(shape: str, args, bandwidth: float) -> list[Row]:
+def run_shape(shape: str, args, bandwidth: float) -> Iterator[Row]:
+    """Each row as soon as it is measured (a caller saving rows keeps them if the run is cut short)."""
     cfg = llama_config(shape)
     batches = [int(b) for b in args.batches.split(",")]
     static_batches = {int(b) for b in args.static_batches.split(",") if b}
-    rows: list[Row] = []
     floor = {b: streamed_bytes(cfg, b, args.context) / bandwidth * 1e3 for b in batches}
     if "hf" in args.impls:
         model = hf_model(cfg)
         for b in batches:
-            rows.append(Row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor[b]))
-            print(rows[-1], flush=True)
+            row = Row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor[b])
+            print(row, flush=True)
+            yield row
             if b in static_batches:
                 ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
-                rows.append(Row(shape, b, "hf_static_compile", ms, floor[b], f"first calls {compile_s:.0f} s"))
-                print(rows[-1], flush=True)
+                row = Row(shape, b, "hf_static_compile", ms, floor[b], f"first calls {compile_s:.0f} s")
+                print(row, flush=True)
+                yield row
                 torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
@@ -223,18 +226,19 @@ def run_shape(shape: str, args, bandwidth: float) -> list[Row]:
         print(model.report.pass_table(), flush=True)
         note = f"compile {compile_s:.0f} s"
         for b in batches:
-            rows.append(Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
-                            floor[b], note))
-            print(rows[-1], flush=True)
+            row = Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
+                      floor[b], note)
+            print(row, flush=True)
+            yield row
             if "engine" in args.impls:
                 ms, waited = bench_engine(model, b, args.context, args.steps)
-                rows.append(Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
-                                f"host waited {waited:.2f} ms/step"))
-                print(rows[-1], flush=True)
+                row = Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
+                          f"host waited {waited:.2f} ms/step")
+                print(row, flush=True)
+                yield row
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    return rows
 
 
 def print_table(rows: list[Row], bandwidth: float) -> None:

@@ -124,3 +124,36 @@ def test_hf_cold_start_child_generates_its_tokens_in_a_fresh_process(impl):
     seconds, stages = cold_start.cold_start("smollm2", impl)
     tokens = 2 if impl == "hf_static" else 1  # the static peer's second token comes from its decode forward
     assert seconds > 0 and "model built" in stages and f"({tokens} tokens)" in stages
+
+
+def test_decode_rows_come_one_by_one_with_their_floor(monkeypatch):
+    """decode_bench.run_shape yields each row as it is measured (the timed parts stubbed: they need CUDA)."""
+    import decode_bench
+
+    measured = []
+
+    def timed(value):
+        def bench(*args):
+            measured.append(value)
+            return value
+        return bench
+
+    monkeypatch.setattr(decode_bench, "hf_model", lambda cfg: object())
+    monkeypatch.setattr(decode_bench, "bench_hf_eager", timed(50.0))
+    monkeypatch.setattr(decode_bench, "bench_hf_static", timed((8.0, 30.0)))
+    model = type("Model", (), {"report": type("Report", (), {"pass_table": lambda self: ""})()})()
+    monkeypatch.setattr(decode_bench, "compile_autodeploy", lambda *args: (model, 40.0))
+    monkeypatch.setattr(decode_bench, "bench_autodeploy", timed(4.2))
+    monkeypatch.setattr(decode_bench, "bench_engine", timed((4.0, 3.5)))
+    args = full_table.argparse.Namespace(shapes="llama8b", batches="1,64", static_batches="1", context=512, steps=5)
+    rows = full_table.decode_rows(args, bandwidth=4e12)
+    first = next(rows)
+    assert measured == [50.0] and first.impl == "hf_eager" and first.workload == "llama8b batch 1"
+    rows = [first, *rows]
+    assert [(r.workload.split()[-1], r.impl) for r in rows] == [
+        ("1", "hf_eager"), ("1", "hf_static_compile"), ("64", "hf_eager"),
+        ("1", "autodeploy bare step"), ("1", "autodeploy engine"),
+        ("64", "autodeploy bare step"), ("64", "autodeploy engine")]
+    floor_1 = decode_bench.streamed_bytes(decode_bench.llama_config("llama8b"), 1, 512) / 4e12
+    assert rows[4].seconds == 0.004 and math.isclose(rows[4].floor_s, floor_1) and rows[4].tokens_per_s == 250.0
+    assert 3.3e-3 < floor_1 < 4.2e-3  # ~16 GB of weights at 4 TB/s
