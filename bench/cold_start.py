@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,14 +60,21 @@ print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} 
 IMPLS = ("autodeploy", "hf_eager", "hf_static")
 
 
-def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None) -> tuple[float, str]:
-    """(seconds from process start to the first token, the child's STAGES line) of one fresh process."""
-    from decode_bench import llama_config
+def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None,
+               config_dir: str | None = None) -> tuple[float, str]:
+    """(seconds from process start to the first token, the child's STAGES line) of one fresh process.
 
+    ``config_dir``: an HF config directory to use instead of writing ``shape``'s; then this process
+    imports neither torch nor transformers, so the child is the first to read them from disk.
+    """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    config_dir = tempfile.mkdtemp()
-    llama_config(shape).save_pretrained(config_dir)
+    if config_dir is None:
+        from decode_bench import llama_config
+
+        config_dir = tempfile.mkdtemp()
+        llama_config(shape).save_pretrained(config_dir)
+    config_dir = os.path.abspath(config_dir)  # the child runs in it (see below)
     argument = json.dumps(options or {}) if impl == "autodeploy" else impl
     start = time.time()
     # cwd outside the repository: its source tree must not shadow the installed package
@@ -91,14 +99,18 @@ def main() -> None:
                         help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
                         "default: the runtime's)")
     parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
+    parser.add_argument("--config", default=None, metavar="DIR",
+                        help="an HF config directory (instead of --shape's): this process then imports no "
+                        "torch, so on a fresh machine the child reads it from a cold disk cache")
     args = parser.parse_args()
     options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
     try:
-        seconds, _ = cold_start(args.shape, args.impl, options)
+        seconds, _ = cold_start(args.shape, args.impl, options, args.config)
     except RuntimeError as error:
         print(error)
         sys.exit(1)
-    print(json.dumps({"shape": args.shape, "impl": args.impl, **options, "cold_start_s": round(seconds, 1)}))
+    model = {"config": args.config} if args.config else {"shape": args.shape}
+    print(json.dumps({**model, "impl": args.impl, **options, "cold_start_s": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,6 +126,24 @@ def test_hf_cold_start_child_generates_its_tokens_in_a_fresh_process(impl):
     seconds, stages = cold_start.cold_start("smollm2", impl)
     tokens = 2 if impl == "hf_static" else 1  # the static peer's second token comes from its decode forward
     assert seconds > 0 and "model built" in stages and f"({tokens} tokens)" in stages
+
+
+@pytest.mark.slow
+def test_cold_start_from_a_relative_config_dir_imports_no_torch_in_the_parent(tmp_path, monkeypatch):
+    """--config: the parent only spawns (a fresh machine's child reads torch from a cold disk cache)."""
+    import cold_start
+    import decode_bench
+
+    decode_bench.llama_config("smollm2").save_pretrained(tmp_path / "cfg")
+    monkeypatch.chdir(tmp_path)  # relative to here, while the child runs inside the directory
+    script = ("import sys, cold_start; seconds, stages = cold_start.cold_start('unused', 'hf_eager', None, 'cfg'); "
+              "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'parent imported them'; "
+              "print(seconds, stages)")
+    bench_dir = Path(cold_start.__file__).parent
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(bench_dir)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(1 tokens)" in proc.stdout
 
 
 def test_decode_rows_come_one_by_one_with_their_floor(monkeypatch):
