@@ -76,7 +76,7 @@ def test_merged_table_prints_every_row_with_its_roofline_share(tmp_path, capsys,
     parts = [
         [full_table.TableRow("decode", "llama8b batch 1", "autodeploy engine", 0.004, 250.0, 0.0036, "x")],
         [full_table.TableRow("offline", "llama8b 128/128 x 512", "hf_static", 20.0, 3276.8, 3.0),
-         full_table.TableRow("coldstart", "llama8b process start to first token", "autodeploy", 40.0)],
+         full_table.TableRow("coldstart", "llama8b cold start to first token", "autodeploy", 40.0)],
     ]
     paths = []
     for i, rows in enumerate(parts):
@@ -90,7 +90,7 @@ def test_merged_table_prints_every_row_with_its_roofline_share(tmp_path, capsys,
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("llama8b")}
     assert "4.000 ms" in lines["batch"] and "90%" in lines["batch"]
     assert "20.00 s" in lines["128/128"] and "15%" in lines["128/128"]
-    assert "40.00 s" in lines["process"] and lines["process"].split()[-2:] == ["-", "-"]
+    assert "40.00 s" in lines["cold"] and lines["cold"].split()[-2:] == ["-", "-"]
 
 
 def test_hf_offline_row_halves_the_batch_until_it_fits(monkeypatch):
