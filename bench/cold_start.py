@@ -65,7 +65,7 @@ def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None
     """(seconds from process start to the first token, the child's STAGES line) of one fresh process.
 
     ``config_dir``: an HF config directory to use instead of writing ``shape``'s; then this process
-    imports neither torch nor transformers, so the child is the first to read them from disk.
+    imports neither torch nor transformers, so on a fresh machine the child is the first to import them.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
     parser.add_argument("--config", default=None, metavar="DIR",
                         help="an HF config directory (instead of --shape's): this process then imports no "
-                        "torch, so on a fresh machine the child reads it from a cold disk cache")
+                        "torch, so on a fresh machine the child is the first process to import it")
     args = parser.parse_args()
     options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
     try:

@@ -224,7 +224,8 @@ def main() -> None:
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--shapes", default="llama8b,smollm2", help="decode: model shapes")
     p.add_argument("--batches", default="1,8,64,256", help="decode: batch sizes")
-    p.add_argument("--static-batches", default="1,8,64,256", help="decode: batches with HF static cache + torch.compile")
+    p.add_argument("--static-batches", default="1,8,64,256",
+                   help="decode: batches with HF static cache + torch.compile")
     p.add_argument("--context", type=int, default=512, help="decode: cached tokens per sequence")
     p.add_argument("--steps", type=int, default=20, help="decode: timed steps")
     p.add_argument("--impls", default="autodeploy," + ",".join(PEERS), help="offline and cold start: which to run")
