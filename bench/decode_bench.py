@@ -207,14 +207,10 @@ def run_shape(shape: str, args, bandwidth: float) -> Iterator[Row]:
     if "hf" in args.impls:
         model = hf_model(cfg)
         for b in batches:
-            row = Row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor[b])
-            print(row, flush=True)
-            yield row
+            yield Row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor[b])
             if b in static_batches:
                 ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
-                row = Row(shape, b, "hf_static_compile", ms, floor[b], f"first calls {compile_s:.0f} s")
-                print(row, flush=True)
-                yield row
+                yield Row(shape, b, "hf_static_compile", ms, floor[b], f"first calls {compile_s:.0f} s")
                 torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
@@ -226,16 +222,12 @@ def run_shape(shape: str, args, bandwidth: float) -> Iterator[Row]:
         print(model.report.pass_table(), flush=True)
         note = f"compile {compile_s:.0f} s"
         for b in batches:
-            row = Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
+            yield Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
                       floor[b], note)
-            print(row, flush=True)
-            yield row
             if "engine" in args.impls:
                 ms, waited = bench_engine(model, b, args.context, args.steps)
-                row = Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
+                yield Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
                           f"host waited {waited:.2f} ms/step")
-                print(row, flush=True)
-                yield row
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -265,7 +257,11 @@ def main() -> None:
     args = parser.parse_args()
     print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)
     bandwidth = copy_bandwidth()
-    rows = [r for shape in args.shapes.split(",") for r in run_shape(shape, args, bandwidth)]
+    rows = []
+    for shape in args.shapes.split(","):
+        for row in run_shape(shape, args, bandwidth):
+            print(row, flush=True)
+            rows.append(row)
     print_table(rows, bandwidth)
     if args.json:
         with open(args.json, "w") as f:

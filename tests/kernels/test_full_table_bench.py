@@ -130,7 +130,7 @@ def test_hf_cold_start_child_generates_its_tokens_in_a_fresh_process(impl):
 
 @pytest.mark.slow
 def test_cold_start_from_a_relative_config_dir_imports_no_torch_in_the_parent(tmp_path, monkeypatch):
-    """--config: the parent only spawns (a fresh machine's child reads torch from a cold disk cache)."""
+    """--config: the parent only spawns, so on a fresh machine the child is the first to import torch."""
     import cold_start
     import decode_bench
 
