@@ -59,7 +59,12 @@ def compile_config(
     timings["build"] = time.perf_counter() - start
 
     workers = _start_compile_workers(config, device)  # their imports overlap the export
+    max_seq_len = config.max_seq_len or model_max_len(hf_config)
     try:
+        if workers is not None and config.early_compiles and _early_compiles_apply(config, device):
+            start = time.perf_counter()
+            _start_early_compiles(hf_config, config, device, dtype, max_seq_len, workers)
+            timings["early_compiles"] = time.perf_counter() - start
         start = time.perf_counter()
         gm = export_model(model)
         timings["export"] = time.perf_counter() - start
@@ -70,7 +75,7 @@ def compile_config(
             gm=gm, hf_config=hf_config, config=config, device=device, dtype=dtype,
             checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
         )
-        ctx.artifacts["max_seq_len"] = config.max_seq_len or model_max_len(hf_config)
+        ctx.artifacts["max_seq_len"] = max_seq_len
         ctx.artifacts["compile_workers"] = workers
         start = time.perf_counter()
         records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
@@ -93,6 +98,25 @@ def compile_config(
         ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
         cuda_graphs=ctx.artifacts.get("cuda_graphs"),
     )
+
+
+def _early_compiles_apply(config: CompileConfig, device: torch.device) -> bool:
+    """Whether the Triton backend runs the attention and the warm-up compiles its variants."""
+    from .ops.attention_backends import resolve_attention_backend
+
+    warm_up = config.passes.get("warm_up", {})
+    return (resolve_attention_backend(config.attention_backend, device).name == "triton"
+            and warm_up.get("enabled", True) is not False and warm_up.get("attention_variants", True) is not False)
+
+
+def _start_early_compiles(hf_config, config: CompileConfig, device, dtype, max_seq_len: int, workers) -> None:
+    """The attention kernels guessed from the config, to the workers (``early_compile.py``)."""
+    from .early_compile import start_early_attention_compiles
+
+    try:
+        start_early_attention_compiles(hf_config, config, device, dtype, max_seq_len, workers)
+    except Exception as exc:  # noqa: BLE001 (a guess: the warm-up compiles what it needs either way)
+        log.warning("early attention compiles skipped (%s: %s)", type(exc).__name__, exc)
 
 
 def _start_compile_workers(config: CompileConfig, device: torch.device):

@@ -40,6 +40,10 @@ class CompileConfig(BaseModel):
         None, ge=0, description="processes compiling start-up's Triton kernels into the disk cache, started "
         "before export (default on CUDA: cores - 1, at most 16; 0: the warm-up's threads alone)"
     )
+    early_compiles: bool = Field(
+        True, description="compile workers start on the attention kernels guessed from the HF config while "
+        "torch.export runs (the warm-up then finds them compiled)"
+    )
     kv_cache_cpu_bytes: int = Field(1 << 30, ge=1, description="KV-cache budget when running on the CPU")
     attention_backend: str = Field(
         "auto", description="paged attention: auto (triton on CUDA, torch on CPU), torch, triton, flashinfer"

@@ -81,6 +81,8 @@ class CompileWorkers:
     def __init__(self, processes: int, target: GPUTarget):
         self.processes = processes
         self.compiled, self.seconds = 0, 0.0  # kernels the workers compiled, wall time spent waiting on them
+        self.prefetched, self.reused = 0, 0  # kernels handed over early (prefetch), and of them ones warm() met
+        self._jobs: dict[tuple[str, str, str], Future] = {}  # (module, kernel, JIT cache key) -> its compile
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._alive, self._closed = processes, False  # workers still taking kernels; no more submissions
@@ -97,10 +99,16 @@ class CompileWorkers:
         """Block until every worker has imported Triton and the kernels' package (or died trying)."""
         wait(self._started)
 
+    def prefetch(self, specs: Sequence[KernelSpec]) -> None:
+        """Start compiling ``specs`` without waiting: a later :meth:`warm` of the same kernel waits for
+        this compile instead of starting another (``early_compile.py``)."""
+        self._jobs_for(specs)
+        self.prefetched += len(specs)
+
     def warm(self, specs: Sequence[KernelSpec]) -> None:
         """Compile ``specs`` into the on-disk cache on the workers (counted in ``compiled``)."""
         start = time.perf_counter()
-        jobs = [self._submit(_kernel_path(spec.kernel), spec.data) for spec in specs]
+        jobs = self._jobs_for(specs, count_reused=True)
         wait(jobs)
         self.seconds += time.perf_counter() - start
         failed = [(spec, job.exception()) for spec, job in zip(specs, jobs) if job.exception() is not None]
@@ -111,7 +119,24 @@ class CompileWorkers:
         self.compiled += len(specs) - len(failed)
 
     def summary(self) -> str:
-        return f"{self.compiled} kernels compiled in {self.processes} worker processes ({self.seconds:.1f} s)"
+        early = f", {self.reused} of {self.prefetched} begun during the export" if self.prefetched else ""
+        return f"{self.compiled} kernels compiled in {self.processes} worker processes ({self.seconds:.1f} s{early})"
+
+    def _jobs_for(self, specs: Sequence[KernelSpec], count_reused: bool = False) -> list[Future]:
+        """One compile per distinct kernel: a job already submitted for it (running, or done without
+        error) is reused; a failed one is submitted again."""
+        jobs = []
+        for spec in specs:
+            path = _kernel_path(spec.kernel)
+            key = (*path, spec.key)
+            job = self._jobs.get(key)
+            failed = job is not None and job.done() and job.exception() is not None
+            if job is None or failed:
+                job = self._jobs[key] = self._submit(path, spec.data)
+            elif count_reused:
+                self.reused += 1
+            jobs.append(job)
+        return jobs
 
     def close(self) -> None:
         """Stop the workers once their current kernel is done; what is still queued is not compiled."""
