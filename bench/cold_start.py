@@ -98,12 +98,17 @@ def main() -> None:
     parser.add_argument("--compile-workers", type=int, default=None,
                         help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
                         "default: the runtime's)")
+    parser.add_argument("--early-compiles", choices=("on", "off"), default=None,
+                        help="CompileConfig.early_compiles: attention kernels guessed from the config compile "
+                        "during the export (default: the runtime's)")
     parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
     parser.add_argument("--config", default=None, metavar="DIR",
                         help="an HF config directory (instead of --shape's): this process then imports no "
                         "torch, so on a fresh machine the child is the first process to import it")
     args = parser.parse_args()
     options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
+    if args.early_compiles is not None:
+        options["early_compiles"] = args.early_compiles == "on"
     try:
         seconds, _ = cold_start(args.shape, args.impl, options, args.config)
     except RuntimeError as error:
