@@ -119,10 +119,19 @@ class Lt:
 
 
 def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write), timed eagerly: captured in a graph the copy
+    becomes a memcpy node that ran at ~2.7 TB/s on the H200, against ~4.25 for the kernel."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)], reps=10)
-    return 2 * src.numel() / (us * 1e-6)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
 
 
 def bench_shape(lt: Lt, rows: int, name: str, n: int, k: int, count: int, bandwidth: float) -> dict:

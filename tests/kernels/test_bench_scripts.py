@@ -142,3 +142,40 @@ def test_cublas_pdl_probe_structs_match_the_driver_api_and_it_tells_gemms_from_o
     assert probe.is_gemm("nvjet_sm90_tst_64x64_64x13_4x1_v_bz_TNT")
     assert not probe.is_gemm("_rms_norm_kernel") and not probe.is_gemm("<node type 2>")
     assert probe._CUDA == []
+
+
+def test_offline_timeline_attributes_idle_gaps_to_the_step_call_running_on_the_host():
+    import offline_timeline
+
+    kernels = [(0, 10), (5, 12), (12.5, 20), (60, 70), (70, 80), (200, 210), (300, 301)]  # µs; overlaps count once
+    steps = [(0, 50, 0), (50, 150, 1)]  # the host's step calls: 0 prefilled, 1 only decoded
+    span, busy, gaps, per_phase, per_step = offline_timeline.device_idle(kernels, steps, [(2, 64), (2, 2)], 20.0)
+    assert (span, busy) == (301, 12 + 7.5 + 20 + 10 + 1)
+    assert gaps == [(20, 60), (80, 200), (210, 300)]  # the 0.5 µs gap is short
+    assert per_phase == {"prefill steps": 40, "decode-only steps": 120, "between step calls": 90}
+    assert per_step == {0: 40, 1: 120}
+    assert offline_timeline.device_idle([(0, 5), (30, 40)], [], [], 50.0)[2] == []  # no gap over the bound
+
+
+def test_offline_timeline_runs_every_request_to_its_end(tmp_path):
+    """The probe's engine (warm-up request, then all requests queued) on a tiny CPU model."""
+    import random
+
+    import offline_timeline
+
+    from autodeploy.compiler import compile as compile_model
+    from autodeploy.tiny import make_tiny_checkpoint
+
+    model = compile_model(str(make_tiny_checkpoint("llama", tmp_path / "m")), weights="random", dtype="float32",
+                          device="cpu", max_batch_size=8, max_num_tokens=64, max_seq_len=64)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(model.vocab_size) for _ in range(16)] for _ in range(12)]
+    with torch.inference_mode():
+        engine = offline_timeline.new_engine(model, prompts, 8)
+        shapes = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            shapes.append((len(engine.last_schedule.chunks), engine.last_schedule.num_tokens))
+    assert shapes[0] == (4, 64)  # four 16-token prompts fill the 64-token budget
+    assert max(seqs for seqs, _ in shapes) == 8 and all(tokens <= 64 for _, tokens in shapes)
+    assert sum(tokens for _, tokens in shapes) == 12 * (16 + 8 - 1)  # every prompt token, then 7 decode steps each
