@@ -3,7 +3,8 @@
 ``autodeploy bench offline`` reports each engine step's wall time and how long the host waited for
 the step's tokens. It cannot say whether the device idled in between: an eager prefill step's launch
 that blocks (a synchronizing copy, a full launch queue) looks like host work. This probe runs the
-same workload through the engine twice:
+same workload through the engine four times: timed as the bench times it (right after the compile,
+as there, and again at the end, with the allocator's pool grown), and in between
 
 - under ``torch.profiler`` with one range per ``engine.step()`` call: the kernels' union against the
   span, and every idle gap of the device over 20 µs, attributed to the step call it fell in and
@@ -113,9 +114,25 @@ def device_gaps(model, prompts, output_len: int) -> None:
           f"({len(gaps)})", flush=True)
     for phase, us in per_phase.most_common():
         print(f"  idle in {phase}: {us / 1e3:.1f} ms", flush=True)
+    print_slow_runtime_calls(events, steps)
     print("  step (seqs, tokens): idle ms", flush=True)
     for i, us in sorted(per_step.items(), key=lambda kv: -kv[1])[:12]:
         print(f"    {i:4d} {shapes[i]}: {us / 1e3:.2f}", flush=True)
+
+
+def print_slow_runtime_calls(events: list[dict], steps: list[tuple[float, float, int]], min_us: float = 1000.0) -> None:
+    """CUDA runtime calls that held the host over ``min_us`` (a launch into a full queue, an
+    allocation, a synchronization), by name, with the step calls they fell in."""
+    slow = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e.get("dur", 0) > min_us:
+            owner = next((i for s, t, i in steps if s <= e["ts"] <= t), None)
+            slow[e["name"]].append((e["dur"], owner))
+    print(f"  CUDA runtime calls over {min_us / 1e3:.0f} ms on the host:", flush=True)
+    for name, calls in sorted(slow.items(), key=lambda kv: -sum(d for d, _ in kv[1])):
+        owners = sorted({o for _, o in calls if o is not None})
+        print(f"    {name}: {len(calls)} calls, {sum(d for d, _ in calls) / 1e3:.1f} ms, in step calls {owners[:20]}",
+              flush=True)
 
 
 def sync_calls(model, prompts, output_len: int) -> None:
@@ -143,6 +160,25 @@ def sync_calls(model, prompts, output_len: int) -> None:
         print(f"  {count:6d}  {site}", flush=True)
 
 
+def plain_run(model, prompts, output_len: int, label: str) -> None:
+    """The workload timed as ``bench offline`` times it, with the CUDA allocator's cudaMalloc count:
+    the first run after the compile against a later one tells what growing the allocator's pool costs."""
+    engine = new_engine(model, prompts, output_len)
+    torch.cuda.synchronize()
+    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+    walls, start = [], time.perf_counter()
+    while engine.has_unfinished_requests():
+        before = time.perf_counter()
+        engine.step()
+        schedule = engine.last_schedule
+        walls.append((schedule.num_tokens != len(schedule.chunks), time.perf_counter() - before))
+    seconds = time.perf_counter() - start
+    prefill = sum(wall for launched_prefill, wall in walls if launched_prefill)
+    print(f"{label}: {seconds:.3f} s, {len(prompts) * output_len / seconds:,.0f} output tok/s; step calls that "
+          f"launched a prefill {prefill:.3f} s, the others {seconds - prefill:.3f} s; "
+          f"{torch.cuda.memory_stats().get('num_device_alloc', 0) - mallocs} cudaMalloc", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="HF config directory (random weights)")
@@ -157,8 +193,10 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(args.input_len)] for _ in range(args.requests)]
     with torch.inference_mode():
+        plain_run(model, prompts, args.output_len, "first run")
         device_gaps(model, prompts, args.output_len)
         sync_calls(model, prompts, args.output_len)
+        plain_run(model, prompts, args.output_len, "fourth run")
 
 
 if __name__ == "__main__":

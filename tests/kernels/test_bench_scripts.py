@@ -179,3 +179,15 @@ def test_offline_timeline_runs_every_request_to_its_end(tmp_path):
     assert shapes[0] == (4, 64)  # four 16-token prompts fill the 64-token budget
     assert max(seqs for seqs, _ in shapes) == 8 and all(tokens <= 64 for _, tokens in shapes)
     assert sum(tokens for _, tokens in shapes) == 12 * (16 + 8 - 1)  # every prompt token, then 7 decode steps each
+
+
+def test_offline_timeline_lists_runtime_calls_that_held_the_host(capsys):
+    import offline_timeline
+
+    events = [{"cat": "cuda_runtime", "name": "cudaMalloc", "ts": 10, "dur": 5000},
+              {"cat": "cuda_runtime", "name": "cudaMalloc", "ts": 120, "dur": 3000},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 5},  # short: left out
+              {"cat": "kernel", "name": "gemm", "ts": 30, "dur": 9000}]  # not a host call
+    offline_timeline.print_slow_runtime_calls(events, [(0, 100, 0), (100, 200, 1)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == ["    cudaMalloc: 2 calls, 8.0 ms, in step calls [0, 1]"]
