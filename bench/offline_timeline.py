@@ -115,9 +115,29 @@ def device_gaps(model, prompts, output_len: int) -> None:
     for phase, us in per_phase.most_common():
         print(f"  idle in {phase}: {us / 1e3:.1f} ms", flush=True)
     print_slow_runtime_calls(events, steps)
+    print_kernel_families(events)
     print("  step (seqs, tokens): idle ms", flush=True)
     for i, us in sorted(per_step.items(), key=lambda kv: -kv[1])[:12]:
         print(f"    {i:4d} {shapes[i]}: {us / 1e3:.2f}", flush=True)
+
+
+KERNEL_FAMILIES = (("GEMM", ("nvjet", "gemm", "cutlass", "splitkreduce")), ("attention", ("paged_attention",)),
+                   ("SiLU·mul", ("act_mul",)), ("RMSNorm", ("rms_norm",)), ("argmax", ("argmax",)))
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in lowered for k in keys)), "other")
+
+
+def print_kernel_families(events: list[dict]) -> None:
+    """The run's device time by kernel family (the GEMMs' share is what a faster GEMM could take)."""
+    total = collections.Counter()
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            total[kernel_family(e["name"])] += e["dur"]
+    print("  device time by kernel family: " + ", ".join(f"{family} {us / 1e3:.0f} ms"
+                                                        for family, us in total.most_common()), flush=True)
 
 
 def print_slow_runtime_calls(events: list[dict], steps: list[tuple[float, float, int]], min_us: float = 1000.0) -> None:

@@ -191,3 +191,12 @@ def test_offline_timeline_lists_runtime_calls_that_held_the_host(capsys):
     offline_timeline.print_slow_runtime_calls(events, [(0, 100, 0), (100, 200, 1)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:] == ["    cudaMalloc: 2 calls, 8.0 ms, in step calls [0, 1]"]
+
+
+def test_offline_timeline_kernel_families():
+    import offline_timeline
+
+    assert offline_timeline.kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
+    assert offline_timeline.kernel_family("_paged_attention_kernel") == "attention"
+    assert offline_timeline.kernel_family("_fused_add_rms_norm_kernel") == "RMSNorm"
+    assert offline_timeline.kernel_family("Memset (Device)") == "other"
