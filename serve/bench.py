@@ -45,7 +45,8 @@ class OfflineResult:
     steps: "StepStats"
     host_waited_s: float = 0.0  # time the engine waited for the device (the rest is host work)
     allocator: dict[str, int] | None = None  # CUDA caching-allocator counters over the timed run
-    step_log: list[tuple[int, int, float, float]] | None = None  # (sequences, tokens, wall ms, waited ms) per step()
+    # (sequences, tokens, wall ms, waited ms) per step() call: the step it resolved; (0, 0, ...) if none
+    step_log: list[tuple[int, int, float, float]] | None = None
 
     def summary(self) -> str:
         return "\n".join([
@@ -74,23 +75,29 @@ class StepStats:
     prefill_ms: float
     prefill_tokens: float  # mean tokens per prefilling step
     max_step_ms: float
+    launch_only_calls: int = 0  # step() calls that resolved no step (the first one: it only launched)
+    launch_only_ms: float = 0.0
 
     @classmethod
     def of(cls, steps: list[tuple]) -> "StepStats":
-        """``steps``: (sequences, tokens, wall ms, ...) of every engine step."""
+        """``steps``: (sequences, tokens, wall ms, ...) of every engine step; no sequences: a call that
+        resolved no step."""
+        launch_only = [s for s in steps if s[0] == 0]
         steps = [s for s in steps if s[0] > 0]
         decode = [s for s in steps if s[1] == s[0]]
         prefill = [s for s in steps if s[1] != s[0]]
         return cls(len(decode), sum(s[2] for s in decode), _mean(s[0] for s in decode),
                    len(prefill), sum(s[2] for s in prefill), _mean(s[1] for s in prefill),
-                   max((s[2] for s in steps), default=0.0))
+                   max((s[2] for s in steps), default=0.0), len(launch_only), sum(s[2] for s in launch_only))
 
     def summary(self) -> str:
         return (f"steps: {self.decode_steps} decode-only ({self.decode_ms / 1e3:.2f} s, "
                 f"{self.decode_ms / max(1, self.decode_steps):.2f} ms each, {self.decode_seqs:.0f} seqs), "
                 f"{self.prefill_steps} with prefill ({self.prefill_ms / 1e3:.2f} s, "
                 f"{self.prefill_ms / max(1, self.prefill_steps):.2f} ms each, {self.prefill_tokens:.0f} tokens); "
-                f"slowest step {self.max_step_ms:.1f} ms")
+                + (f"{self.launch_only_calls} call(s) that only launched a step ({self.launch_only_ms:.1f} ms); "
+                   if self.launch_only_calls else "")
+                + f"slowest step {self.max_step_ms:.1f} ms")
 
 
 def _mean(values) -> float:
@@ -100,9 +107,10 @@ def _mean(values) -> float:
 
 def run_offline(model, input_len: int, output_len: int, num_requests: int, concurrency: int | None = None,
                 temperature: float = 0.0, seed: int = 0, enable_prefix_caching: bool = False,
-                output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> OfflineResult:
+                output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                overlap: bool | None = None) -> OfflineResult:
     """Run the benchmark on a compiled model; see the module docstring."""
-    engine = Engine(model, None, EngineConfig(enable_prefix_caching=enable_prefix_caching))
+    engine = Engine(model, None, EngineConfig(enable_prefix_caching=enable_prefix_caching, overlap=overlap))
     rng = random.Random(seed)
     # reported once per request, as LLM.generate does: per-step reports would cost the host more than the step
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed,
@@ -120,11 +128,17 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
         while next_prompt < num_requests and engine.num_unfinished_requests < concurrency:
             engine.add_request(str(next_prompt), prompts[next_prompt], params)
             next_prompt += 1
-        before, waited_step = time.perf_counter(), engine.wait_seconds
+        before, waited_step, resolved_before = time.perf_counter(), engine.wait_seconds, engine.last_resolved
         finished += engine.step()
         now = time.perf_counter()
-        ran = engine.last_resolved  # with overlap, a step's wall time is mostly the wait for the one before
-        steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3, (engine.wait_seconds - waited_step) * 1e3))
+        # a call's wall time goes to the step it resolved (with overlap, mostly the wait for it); a call that
+        # resolved none (the first: it only launched) is logged with no sequences and kept out of the ITL
+        waited_ms = (engine.wait_seconds - waited_step) * 1e3
+        if engine.last_resolved is resolved_before:
+            steps.append((0, 0, (now - before) * 1e3, waited_ms))
+            continue
+        ran = engine.last_resolved
+        steps.append((len(ran.chunks), ran.num_tokens, (now - before) * 1e3, waited_ms))
         resolved.append((ran, now - last))
         last = now
     seconds = time.perf_counter() - begin
@@ -136,7 +150,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
     metrics = [out.metrics for out in finished if out.finished]  # (DELTA: every report of every step)
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(m.finished_time - m.first_token_time) / (output_len - 1) for m in metrics if output_len > 1]
-    mean_batch = max(1.0, _mean(s[0] for s in steps))
+    mean_batch = max(1.0, _mean(s[0] for s in steps if s[0]))
     step_ms = decode_step_ms(model, max(1, round(mean_batch)), input_len + output_len // 2)
     return OfflineResult(
         num_requests, input_len, output_len, concurrency, seconds, num_requests / seconds,
@@ -175,8 +189,9 @@ def _decode_tokens(resolved) -> int:
 
 
 def _warm_up(engine: Engine) -> None:
+    """One short request, and no step left in flight: the timed loop's first call must not resolve it."""
     engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or engine.has_step_in_flight:
         engine.step()
 
 

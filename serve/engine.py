@@ -131,6 +131,12 @@ class Engine:
         return bool(self._requests)
 
     @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step is still unresolved (with overlap, the one after a request's last token may be);
+        one more ``step()`` resolves it."""
+        return self._in_flight is not None
+
+    @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 

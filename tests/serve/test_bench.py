@@ -35,6 +35,21 @@ def test_offline_benchmark(compiled):
     assert result.allocator is None and "allocator" not in result.summary()  # CPU: no CUDA allocator
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offline_step_log_starts_with_the_first_prefill(compiled, overlap):
+    """With overlap the warm-up request left a step in flight, which the timed loop's first call resolved:
+    its wall time (the launch of the first prefill) was logged as a one-sequence decode step. The warm-up
+    now resolves it; a call that resolves no step is logged without sequences, apart from the stats."""
+    result = run_offline(compiled, input_len=8, output_len=4, num_requests=6, concurrency=3, overlap=overlap)
+    shapes = [(seqs, tokens) for seqs, tokens, _, _ in result.step_log]
+    assert sum(tokens for _, tokens in shapes) == 6 * (8 + 4 - 1)  # each step logged once
+    assert [s for s in shapes if s[0]] == [(3, 24), (3, 3), (3, 3), (3, 3)] * 2
+    launch_only = shapes.count((0, 0))
+    assert launch_only == (2 if overlap else 0)  # the first call, and the first after cohort 1 finished
+    assert result.steps.launch_only_calls == launch_only and result.steps.prefill_steps == 2
+    assert ("only launched" in result.summary()) == overlap
+
+
 def test_offline_benchmark_with_per_step_reports(compiled):
     """DELTA reports (as the server) arrive every step; latencies come from the final ones only."""
     from autodeploy.sampling_params import RequestOutputKind
