@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from decode_bench import copy_bandwidth  # timed eagerly: a graph's memcpy node runs on a copy engine (~2.7 TB/s)
 from gpu_harness import graph_us, rel_err, sets_for  # this folder
 
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
@@ -116,22 +117,6 @@ class Lt:
                                                                    4, ctypes.byref(written))
             fields.append(f"{name}={value.value if status == 0 else '?'}")
         return " ".join(fields) + f" ws={algo.workspace_size >> 10}K waves={algo.waves_count:.2f}"
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write), timed eagerly: captured in a graph the copy
-    becomes a memcpy node that ran at ~2.7 TB/s on the H200, against ~4.25 for the kernel."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
 
 
 def bench_shape(lt: Lt, rows: int, name: str, n: int, k: int, count: int, bandwidth: float) -> dict:
