@@ -41,13 +41,13 @@ def build(config_dir: str, max_batch: int, max_num_tokens: int, max_seq_len: int
 
 def new_engine(model, prompts, output_len: int):
     """An engine with every request queued (as ``run_offline``), after its warm-up request."""
-    from autodeploy.serve.bench import _warm_up
+    from autodeploy.serve.bench import warm_up_engine
     from autodeploy.serve.engine import Engine, EngineConfig
 
     from autodeploy.sampling_params import RequestOutputKind, SamplingParams
 
     engine = Engine(model, None, EngineConfig(enable_prefix_caching=False))
-    _warm_up(engine)
+    warm_up_engine(engine)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for i, prompt in enumerate(prompts):
@@ -55,7 +55,7 @@ def new_engine(model, prompts, output_len: int):
     return engine
 
 
-def run_steps(engine, on_step=None) -> list[tuple[int, int]]:
+def run_steps(engine) -> list[tuple[int, int]]:
     """Steps until every request finished; (sequences, tokens) of each step launched."""
     shapes = []
     while engine.has_unfinished_requests():
@@ -175,7 +175,7 @@ def sync_calls(model, prompts, output_len: int) -> None:
             shapes = run_steps(engine)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    print(f"synchronizing calls over {len(shapes)} steps:", flush=True)
+    print(f"synchronizing calls over {len(shapes)} steps: {sum(sites.values()) or 'none'}", flush=True)
     for site, count in sites.most_common(15):
         print(f"  {count:6d}  {site}", flush=True)
 

@@ -117,7 +117,7 @@ def run_offline(model, input_len: int, output_len: int, num_requests: int, concu
                             detokenize=False, output_kind=output_kind)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
     concurrency = concurrency or num_requests
-    _warm_up(engine)
+    warm_up_engine(engine)
     finished: list[RequestOutput] = []
     steps: list[tuple[int, int, float, float]] = []
     resolved: list[tuple[Any, float]] = []  # what each step resolved, and the wall time since the step before
@@ -188,7 +188,7 @@ def _decode_tokens(resolved) -> int:
     return sum(1 for c in resolved.chunks if c.start >= c.seq.num_prompt_tokens and c.seq.num_tokens > c.end)
 
 
-def _warm_up(engine: Engine) -> None:
+def warm_up_engine(engine: Engine) -> None:
     """One short request, and no step left in flight: the timed loop's first call must not resolve it."""
     engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
     while engine.has_unfinished_requests() or engine.has_step_in_flight:
