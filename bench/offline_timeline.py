@@ -3,8 +3,8 @@
 ``autodeploy bench offline`` reports each engine step's wall time and how long the host waited for
 the step's tokens. It cannot say whether the device idled in between: an eager prefill step's launch
 that blocks (a synchronizing copy, a full launch queue) looks like host work. This probe runs the
-same workload through the engine four times: timed as the bench times it (right after the compile,
-as there, and again at the end, with the allocator's pool grown), and in between
+same workload through the engine four times: through ``run_offline`` as the bench runs it (right after
+the compile, as there, and again at the end, with the allocator's pool grown), and in between
 
 - under ``torch.profiler`` with one range per ``engine.step()`` call: the kernels' union against the
   span, and every idle gap of the device over 20 µs, attributed to the step call it fell in and
@@ -180,23 +180,14 @@ def sync_calls(model, prompts, output_len: int) -> None:
         print(f"  {count:6d}  {site}", flush=True)
 
 
-def plain_run(model, prompts, output_len: int, label: str) -> None:
-    """The workload timed as ``bench offline`` times it, with the CUDA allocator's cudaMalloc count:
-    the first run after the compile against a later one tells what growing the allocator's pool costs."""
-    engine = new_engine(model, prompts, output_len)
-    torch.cuda.synchronize()
-    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
-    walls, start = [], time.perf_counter()
-    while engine.has_unfinished_requests():
-        before = time.perf_counter()
-        engine.step()
-        schedule = engine.last_schedule
-        walls.append((schedule.num_tokens != len(schedule.chunks), time.perf_counter() - before))
-    seconds = time.perf_counter() - start
-    prefill = sum(wall for launched_prefill, wall in walls if launched_prefill)
-    print(f"{label}: {seconds:.3f} s, {len(prompts) * output_len / seconds:,.0f} output tok/s; step calls that "
-          f"launched a prefill {prefill:.3f} s, the others {seconds - prefill:.3f} s; "
-          f"{torch.cuda.memory_stats().get('num_device_alloc', 0) - mallocs} cudaMalloc", flush=True)
+def bench_run(model, prompts, output_len: int, label: str) -> None:
+    """The workload as ``bench offline`` runs it (``run_offline``), with the CUDA allocator's cudaMalloc
+    count: the first run after the compile against a later one tells what growing the allocator's pool costs."""
+    from autodeploy.serve.bench import run_offline
+
+    result = run_offline(model, len(prompts[0]), output_len, len(prompts))
+    print(f"{label}: {result.seconds:.3f} s, {result.output_throughput:,.0f} output tok/s; {result.steps.summary()}; "
+          f"{result.allocator['device_mallocs']} cudaMalloc", flush=True)
 
 
 def main() -> None:
@@ -213,10 +204,10 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(args.input_len)] for _ in range(args.requests)]
     with torch.inference_mode():
-        plain_run(model, prompts, args.output_len, "first run")
+        bench_run(model, prompts, args.output_len, "first run")
         device_gaps(model, prompts, args.output_len)
         sync_calls(model, prompts, args.output_len)
-        plain_run(model, prompts, args.output_len, "fourth run")
+        bench_run(model, prompts, args.output_len, "fourth run")
 
 
 if __name__ == "__main__":

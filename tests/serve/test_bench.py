@@ -36,7 +36,7 @@ def test_offline_benchmark(compiled):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_offline_step_log_starts_with_the_first_prefill(compiled, overlap):
+def test_offline_step_log_counts_each_step_once_and_launch_only_calls_apart(compiled, overlap):
     """With overlap the warm-up request left a step in flight, which the timed loop's first call resolved:
     its wall time (the launch of the first prefill) was logged as a one-sequence decode step. The warm-up
     now resolves it; a call that resolves no step is logged without sequences, apart from the stats."""
