@@ -1,4 +1,4 @@
-"""The measurement harness of the GPU kernel benchmarks (``kernels_gpu.py``, ``gemm_sweep.py``): result
+"""The measurement harness of the GPU kernel benchmarks (``kernels_gpu.py`` and the probes): result
 rows and their table, relative error, and CUDA-graph / eager timing over rotating input sets (see the
 ``kernels_gpu`` docstring for what each column means). Needs torch + triton and a CUDA device to time.
 """
