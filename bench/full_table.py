@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from hf_peers import IMPLS as PEERS
@@ -65,16 +65,17 @@ def gemm_rate(size: int = 8192, repeats: int = 20) -> float:
 
 
 def commit() -> str:
-    """The checkout's commit (``+dirty`` with local changes), or ``unknown`` outside a git checkout."""
+    """The checkout's commit (``+dirty`` with local changes); where there is no git checkout (a copy of the
+    working tree on a GPU machine), ``$BENCH_COMMIT`` as given, else ``unknown``."""
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True)
 
     try:
         rev, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except OSError:  # no git on this machine
-        return "unknown"
-    if rev.returncode:
-        return "unknown"
+        rev = None
+    if rev is None or rev.returncode:
+        return os.environ.get("BENCH_COMMIT", "unknown")
     return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
@@ -89,9 +90,8 @@ def measure_header(sections: str) -> Header:
                   commit=commit(), sections=sections, bandwidth=copy_bandwidth(), gemm_flops=gemm_rate())
 
 
-def run(args, save_rows: Callable[[list[TableRow], Header], None]) -> tuple[list[TableRow], Header]:
-    """Every row of ``args.sections``; ``save_rows`` gets the rows so far after each one (a run cut short
-    keeps them)."""
+def run(args) -> tuple[list[TableRow], Header]:
+    """Every row of ``args.sections``, written to ``args.json`` after each one (a run cut short keeps them)."""
     header = measure_header(args.sections)
     print(header.line(), flush=True)
     rows: list[TableRow] = []
@@ -99,11 +99,13 @@ def run(args, save_rows: Callable[[list[TableRow], Header], None]) -> tuple[list
         for row in importlib.import_module(SECTIONS[section]).table_rows(args, header):
             rows.append(row)
             print(row, flush=True)
-            save_rows(rows, header)
+            if args.json:
+                save(args.json, rows, [header])
     return rows, header
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The suite's options, and each section's argument group (its ``add_options``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {', '.join(SECTIONS)}")
     p.add_argument("--impls", default="autodeploy," + ",".join(PEERS),
@@ -113,11 +115,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the rows here (after every row)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="print one table from these files")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its options; measure nothing")
-    p.section_groups = {}
+    groups = {name: p.add_argument_group(f"{name} ({module}.py)") for name, module in SECTIONS.items()}
     for name, module in SECTIONS.items():
-        p.section_groups[name] = p.add_argument_group(f"{name} ({module}.py)")
-        importlib.import_module(module).add_options(p.section_groups[name])
-    return p
+        importlib.import_module(module).add_options(groups[name])
+    return p, groups
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
@@ -132,30 +133,30 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.weights = [WEIGHT_FORMATS[name] for name in args.weights.split(",")]
 
 
-def dry_run(p: argparse.ArgumentParser, args) -> None:
+def dry_run(groups: dict, args) -> None:
     values = vars(args)
     for name in args.sections.split(","):
-        group = p.section_groups[name]
+        group = groups[name]  # argparse keeps a group's options in _group_actions (no public accessor)
         print(f"{group.title}: " + ", ".join(f"{a.dest}={values[a.dest]}" for a in group._group_actions))
     weights = ", ".join(w.name for w in args.weights)
-    print(f"impls {', '.join(args.impls)}; weights {weights}; json {args.json}")
+    print(f"impls {', '.join(args.impls)}; weights {weights}; json {args.json}; commit {commit()}")
 
 
 def main() -> int:
-    p = parser()
+    p, groups = parser()
     args = p.parse_args()
     if args.merge:
         loaded = [load(path) for path in args.merge]
         rows, headers = [r for part in loaded for r in part[0]], [h for part in loaded for h in part[1]]
+        if args.json:
+            save(args.json, rows, headers)
     else:
         check_args(p, args)
         if args.dry_run:
-            dry_run(p, args)
+            dry_run(groups, args)
             return 0
-        rows, header = run(args, lambda rows, header: args.json and save(args.json, rows, [header]))
+        rows, header = run(args)
         headers = [header]
-    if args.merge and args.json:
-        save(args.json, rows, headers)
     print_table(rows, headers)
     return 1 if any(r.passed is False for r in rows) else 0
 

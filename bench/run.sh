@@ -3,7 +3,8 @@
 # sections of bench/full_table.py (default: all), one JSON and one log per section in $OUT, then the merged table.
 #   bash bench/run.sh decode                          # one section per 10-minute device call
 #   bash bench/run.sh decode --shapes=llama8b --batches=1,64   # options as --name=value
-#   bash bench/run.sh                                 # every section, ~30 minutes
+#   bash bench/run.sh                                 # every section, ~25 minutes
+# Without a git checkout (a copy of the working tree), name the commit the header records: BENCH_COMMIT=abc1234
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/ad . >/dev/null 2>&1

@@ -82,7 +82,12 @@ def running_server(model_dir: str, options: list[str], timeout: float):
         yield url
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
         print("server log (last lines):\n" + "".join(Path(log.name).read_text().splitlines(True)[-15:]), flush=True)
         os.unlink(log.name)
 

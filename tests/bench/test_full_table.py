@@ -144,6 +144,19 @@ def test_a_run_saves_its_rows_after_each_one_and_every_section_gets_the_header(t
     assert headers == [HEADER] and "kernels check" in capsys.readouterr().out
 
 
+def test_the_header_names_the_commit_or_bench_commit_where_there_is_no_git(monkeypatch):
+    assert full_table.commit().split("+")[0] == subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+    def no_git(*args, **kwargs):
+        raise OSError("git: not found")
+
+    monkeypatch.setattr(full_table.subprocess, "run", no_git)
+    assert full_table.commit() == "unknown"
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert full_table.commit() == "abc1234"
+
+
 @pytest.mark.parametrize("option,value", [("--impls", "autodeploy,vllm"), ("--sections", "decode,speed"),
                                           ("--weights", "bf16,int3")])
 def test_unknown_names_are_refused_before_anything_runs(monkeypatch, capsys, option, value):
