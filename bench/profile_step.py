@@ -1,5 +1,5 @@
-"""Where a step's time goes: one decode step of the compiled model, its GPU kernels (count, time per kernel
-family), the host's time split (metadata, launch, wait) and the idle gaps of the timeline.
+"""Where a step's time goes: one decode step of the compiled model, its GPU kernels (the slowest, with their
+count and time per step), the host's time split (metadata, launch, wait) and the idle gaps of the timeline.
 
     python bench/profile_step.py --shape llama8b --batches 1,64 --engine   # + the engine's decode steps
     python bench/profile_step.py --batches 480 --context 192 --eager      # + a prefill and a mixed step
