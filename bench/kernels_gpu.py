@@ -37,7 +37,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
-from gpu_harness import BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, timed
+from gpu_harness import (BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, suite_rows,
+                         timed)
 from table import TableRow
 
 import autodeploy.ops  # noqa: F401  (registers the reference ops)
@@ -327,13 +328,7 @@ def add_options(group) -> None:
 
 
 def table_rows(args, header) -> Iterator[TableRow]:
-    for r in run_all(args.flashinfer).rows:
-        floor = max(r.bytes / header.bandwidth, r.flops / header.gemm_flops) if r.graph_us else None
-        notes = [f"rel err {r.err:.1e}" if r.err is not None else "",
-                 f"torch {r.torch_us:.1f} us" if r.torch_us else "",
-                 f"eager {r.eager_us:.1f} us" if r.eager_us else "", r.note]
-        yield TableRow("kernels", r.name, "triton", r.graph_us and r.graph_us * 1e-6, floor_s=floor,
-                       note="; ".join(n for n in notes if n), passed=None if r.err is None else r.ok)
+    yield from suite_rows(run_all(args.flashinfer), header, "kernels")
 
 
 def main() -> int:

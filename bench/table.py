@@ -76,8 +76,8 @@ def print_table(rows: list[TableRow], headers: list[Header]) -> None:
         tokens = f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "-"
         share = f"{r.roofline_share:.0%}" if r.roofline_share else "-"
         note = ("FAILED: " if r.passed is False else "") + r.note
-        print(f"{r.workload:<38}{r.weights:<8}{r.impl:<26}{format_seconds(r.seconds):>11}{tokens:>9}{format_seconds(r.floor_s):>11}"
-              f"{share:>9}  {note}")
+        print(f"{r.workload:<38}{r.weights:<8}{r.impl:<26}{format_seconds(r.seconds):>11}{tokens:>9}"
+              f"{format_seconds(r.floor_s):>11}{share:>9}  {note}")
 
 
 def save(path: str, rows: list[TableRow], headers: list[Header]) -> None:
