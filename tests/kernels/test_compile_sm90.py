@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "bench" / "probes" / "compile_sm90.py"
+TOOL = Path(__file__).resolve().parents[2] / "bench" / "compile_sm90.py"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 if "autodeploy" not in sys.modules:
     _pkg = types.ModuleType("autodeploy")
