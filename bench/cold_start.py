@@ -1,6 +1,8 @@
-"""Cold start: process start to the first generated token, in a fresh process.
+"""The suite's cold-start section: process start to the first generated token, in a fresh process.
 
+    python bench/full_table.py --sections coldstart
     python bench/cold_start.py --shape llama8b [--impl autodeploy|hf_eager|hf_static]
+    python bench/cold_start.py --config DIR    # a fresh machine's first process: this one imports no torch
 
 The child builds the model from a config directory with random bf16 weights (no checkpoint to read)
 and generates:
@@ -21,13 +23,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+
+from table import WEIGHT_FORMATS, TableRow
 
 CHILD = """
 import json, sys, time
 started = time.time()
 from autodeploy import LLM, SamplingParams
 imported = time.time()
-llm = LLM(sys.argv[1], weights="random", dtype="bfloat16", max_seq_len=4096, **json.loads(sys.argv[2]))
+options = {"weights": "random", "dtype": "bfloat16", "max_seq_len": 4096, **json.loads(sys.argv[2])}
+llm = LLM(sys.argv[1], **options)
 built = time.time()
 out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))
 print("FIRST_TOKEN", time.time(), out[0].outputs[0].token_ids, flush=True)
@@ -58,6 +64,21 @@ print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} 
       flush=True)
 """
 IMPLS = ("autodeploy", "hf_eager", "hf_static")
+
+
+def add_options(group) -> None:
+    group.add_argument("--coldstart-shape", default="llama8b", help="model shape")
+
+
+def table_rows(args, header) -> Iterator[TableRow]:
+    """autodeploy (once per weight format) and the HF peers, each in a fresh process."""
+    runs = [("autodeploy", w) for w in args.weights if "autodeploy" in args.impls]
+    runs += [(impl, WEIGHT_FORMATS["bf16"]) for impl in IMPLS[1:] if impl in args.impls]
+    for impl, weights in runs:
+        options = weights.settings if impl == "autodeploy" else None
+        seconds, stages = cold_start(args.coldstart_shape, impl, options)
+        yield TableRow("coldstart", f"{args.coldstart_shape} cold start to first token", impl, seconds,
+                       note=stages.split("; ", 1)[-1], weights=weights.name)
 
 
 def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None,

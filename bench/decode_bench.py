@@ -1,32 +1,31 @@
-"""Decode-step benchmark on one GPU, peers side by side, with the bandwidth roofline of the same run.
+"""The suite's decode section: one decode step on one GPU, peers side by side, with the bandwidth floor.
 
-For each model shape (random bf16 weights made on the GPU) and batch size, with every sequence at
-``--context`` cached tokens, one decode step (one new token per sequence, including reading the
-sampled ids back to the host, as an engine step does) is timed for:
+For each model shape (random weights made on the GPU) and batch size, with every sequence at ``--context``
+cached tokens, one decode step (one new token per sequence, including reading the sampled ids back to the
+host, as an engine step does) is timed for:
 
 - ``hf_eager``:   transformers, default attention, DynamicCache
 - ``hf_static``:  transformers with StaticCache + ``torch.compile(mode="reduce-overhead")``
-- ``autodeploy``: the compiled model (attention backend from ``--backend``, CUDA graphs), one bare
-  step after the other (metadata built and sampled ids read back between steps, serially)
-- ``autodeploy_engine``: the same model driven by the serving engine in steady state (scheduling,
-  metadata, greedy sampling, bookkeeping; with async scheduling they overlap the device's work)
+- ``autodeploy bare step``: the compiled model (CUDA graphs), one step after the other (metadata built and
+  sampled ids read back between steps, serially)
+- ``autodeploy engine``: the same model driven by the serving engine in steady state (scheduling, metadata,
+  greedy sampling, bookkeeping; with async scheduling they overlap the device's work): the number that counts
 
-and printed as ms/step, output tokens/s and the share of the roofline: bytes that must be streamed
-per step (all linear weights incl. the LM head, plus the KV cache read) / measured copy bandwidth.
+Floor: the bytes a step must stream (every linear weight incl. the LM head, plus the KV cache read) / the
+copy bandwidth measured at the start of the run. Also the shared helpers of the other sections (model
+shapes, the copy bandwidth, compiling autodeploy, building the HF model).
 
-    python bench/decode_bench.py --shapes llama8b,smollm2 --batches 1,8,64,256 --static-batches 1,64
+    python bench/full_table.py --sections decode --shapes llama8b --batches 1,64 --impls autodeploy
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 
 import torch
+from table import TableRow
 
 SHAPES = {
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -36,24 +35,6 @@ SHAPES = {
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     tie_word_embeddings=True),
 }
-
-
-@dataclass
-class Row:
-    shape: str
-    batch: int
-    impl: str
-    ms_per_step: float
-    floor_ms: float
-    note: str = ""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch * 1e3 / self.ms_per_step
-
-    @property
-    def roofline_share(self) -> float:
-        return self.floor_ms / self.ms_per_step
 
 
 def llama_config(shape: str):
@@ -79,12 +60,13 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def streamed_bytes(cfg, batch: int, context: int) -> int:
+def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2) -> float:
+    """Bytes one decode step must read: every linear weight (the LM head too) and the bf16 KV cache."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v, o, gate+up+down
-    weights = 2 * (layers * per_layer + cfg.vocab_size * h)  # bf16, LM head read every step
+    weights = bytes_per_weight * (layers * per_layer + cfg.vocab_size * h)
     kv_cache = 2 * layers * batch * context * 2 * kv
     return weights + kv_cache
 
@@ -147,7 +129,10 @@ def bench_hf_static(model, batch: int, context: int, steps: int) -> tuple[float,
     return timed_steps(step, steps), compile_s
 
 
-def compile_autodeploy(cfg, max_batch: int, context: int, backend: str, settings: tuple[str, ...] = ()):
+def compile_autodeploy(cfg, max_batch: int, context: int, settings: dict | None = None, overrides=()):
+    """(model, compile seconds): random weights on CUDA, a pool for ``max_batch`` sequences of ``context``
+    tokens and some room; ``settings`` are CompileConfig fields (a weight format's), ``overrides`` dotted
+    ``key=value`` strings (``--set``)."""
     from autodeploy.compiler import compile_config
     from autodeploy.config import CompileConfig, parse_set_option, set_dotted
 
@@ -156,12 +141,11 @@ def compile_autodeploy(cfg, max_batch: int, context: int, backend: str, settings
     max_seq_len = context + 64
     blocks = max_batch * (-(-max_seq_len // block)) + 1
     fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
-                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block, attention_backend=backend)
-    for item in settings:  # --set passes.fuse_norm_linear.enabled=false
+                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block, **(settings or {}))
+    for item in overrides:  # passes.fuse_norm_linear.enabled=false
         set_dotted(fields, *parse_set_option(item))
-    config = CompileConfig(**fields)
     start = time.perf_counter()
-    model = compile_config(cfg, config)
+    model = compile_config(cfg, CompileConfig(**fields))
     return model, time.perf_counter() - start
 
 
@@ -198,75 +182,69 @@ def bench_engine(model, batch: int, context: int, steps: int) -> tuple[float, fl
     return timing.ms, timing.waited_ms
 
 
-def run_shape(shape: str, args, bandwidth: float) -> Iterator[Row]:
-    """Each row as soon as it is measured (a caller saving rows keeps them if the run is cut short)."""
-    cfg = llama_config(shape)
-    batches = [int(b) for b in args.batches.split(",")]
-    static_batches = {int(b) for b in args.static_batches.split(",") if b}
-    floor = {b: streamed_bytes(cfg, b, args.context) / bandwidth * 1e3 for b in batches}
-    if "hf" in args.impls:
-        model = hf_model(cfg)
-        for b in batches:
-            yield Row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor[b])
-            if b in static_batches:
-                ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
-                yield Row(shape, b, "hf_static_compile", ms, floor[b], f"first calls {compile_s:.0f} s")
-                torch._dynamo.reset()
-            gc.collect()
-            torch.cuda.empty_cache()
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
-    if "autodeploy" in args.impls:
-        model, compile_s = compile_autodeploy(cfg, max(batches), args.context, args.backend, tuple(args.set))
-        print(model.report.pass_table(), flush=True)
-        note = f"compile {compile_s:.0f} s"
-        for b in batches:
-            yield Row(shape, b, "autodeploy" + args.label, bench_autodeploy(model, b, args.context, args.steps),
-                      floor[b], note)
-            if "engine" in args.impls:
-                ms, waited = bench_engine(model, b, args.context, args.steps)
-                yield Row(shape, b, "autodeploy_engine" + args.label, ms, floor[b],
-                          f"host waited {waited:.2f} ms/step")
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+def add_options(group) -> None:
+    group.add_argument("--shapes", default="llama8b,smollm2", help="model shapes (SHAPES)")
+    group.add_argument("--batches", default="1,8,64,256", help="batch sizes")
+    group.add_argument("--static-batches", default="1,8,64,256",
+                       help="batches with HF static cache + torch.compile")
+    group.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    group.add_argument("--steps", type=int, default=20, help="timed steps")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="compile setting of the autodeploy rows (dotted key), e.g. "
+                       "passes.warm_up.enabled=false")
+    group.add_argument("--label", default="", help="suffix of the autodeploy rows' names (A/B runs)")
 
 
-def print_table(rows: list[Row], bandwidth: float) -> None:
-    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline = bytes streamed per step / that bandwidth")
-    print(f"{'shape':<9}{'batch':>6} {'impl':<19}{'ms/step':>9}{'tok/s':>10}{'floor ms':>9}{'roofline':>9}  note")
-    for r in rows:
-        print(f"{r.shape:<9}{r.batch:>6} {r.impl:<19}{r.ms_per_step:>9.3f}{r.tokens_per_s:>10.0f}"
-              f"{r.floor_ms:>9.3f}{r.roofline_share:>8.0%}  {r.note}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="llama8b,smollm2")
-    parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--static-batches", default="1,64", help="batches for HF static cache + torch.compile")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--backend", default="triton")
-    parser.add_argument("--impls", default="hf,autodeploy,engine", help="hf, autodeploy, engine (with autodeploy)")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="compile setting of the autodeploy rows (dotted key), e.g. passes.warm_up.enabled=false")
-    parser.add_argument("--label", default="", help="suffix of the autodeploy rows' names (A/B runs)")
-    args = parser.parse_args()
-    print("torch", torch.__version__, "|", torch.cuda.get_device_name(0), flush=True)
-    bandwidth = copy_bandwidth()
-    rows = []
+def table_rows(args, header) -> Iterator[TableRow]:
     for shape in args.shapes.split(","):
-        for row in run_shape(shape, args, bandwidth):
-            print(row, flush=True)
-            rows.append(row)
-    print_table(rows, bandwidth)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]}, f)
+        cfg = llama_config(shape)
+        batches = [int(b) for b in args.batches.split(",")]
+        if {"hf_eager", "hf_static"} & set(args.impls):
+            yield from hf_rows(shape, cfg, batches, args, header.bandwidth)
+        if "autodeploy" in args.impls:
+            for weights in args.weights:
+                yield from autodeploy_rows(shape, cfg, batches, weights, args, header.bandwidth)
 
 
-if __name__ == "__main__":
-    main()
+def _row(shape: str, batch: int, impl: str, ms: float, floor_s: float, note: str = "", weights: str = "bf16"):
+    return TableRow("decode", f"{shape} batch {batch}", impl, ms / 1e3, batch * 1e3 / ms, floor_s, note,
+                    weights)
+
+
+def hf_rows(shape: str, cfg, batches: list[int], args, bandwidth: float) -> Iterator[TableRow]:
+    """HF eager at every batch, HF static cache + compile at ``--static-batches``; each row when measured."""
+    static_batches = {int(b) for b in args.static_batches.split(",") if b}
+    model = hf_model(cfg)
+    for b in batches:
+        floor = streamed_bytes(cfg, b, args.context) / bandwidth
+        if "hf_eager" in args.impls:
+            yield _row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor)
+        if "hf_static" in args.impls and b in static_batches:
+            ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
+            yield _row(shape, b, "hf_static", ms, floor, f"first calls {compile_s:.0f} s")
+            torch._dynamo.reset()
+        free_memory()
+    del model
+    free_memory()
+
+
+def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
+                    bandwidth: float) -> Iterator[TableRow]:
+    """The bare step and the engine's step at every batch, one compile for all of them."""
+    model, compile_s = compile_autodeploy(cfg, max(batches), args.context, weights.settings, tuple(args.set))
+    print(model.report.pass_table(), flush=True)
+    for b in batches:
+        floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight) / bandwidth
+        ms = bench_autodeploy(model, b, args.context, args.steps)
+        yield _row(shape, b, "autodeploy bare step" + args.label, ms, floor, f"compile {compile_s:.0f} s",
+                   weights.name)
+        ms, waited = bench_engine(model, b, args.context, args.steps)
+        yield _row(shape, b, "autodeploy engine" + args.label, ms, floor, f"host waited {waited:.2f} ms/step",
+                   weights.name)
+    del model
+    free_memory()
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()

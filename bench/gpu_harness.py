@@ -1,17 +1,21 @@
-"""The measurement harness of the GPU kernel benchmarks (``kernels_gpu.py``, ``gemm_sweep.py``): result
+"""The measurement harness of the GPU kernel benchmarks (``kernels_gpu.py`` and the probes): result
 rows and their table, relative error, and CUDA-graph / eager timing over rotating input sets (see the
-``kernels_gpu`` docstring for what each column means). Needs torch + triton and a CUDA device to time.
+``kernels_gpu`` docstring for what each column means), and ``suite_rows``: a benchmark's report as rows of
+the suite's table (any kernel benchmark on this harness becomes a section with it). Needs torch + triton and
+a CUDA device to time.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.testing
+from table import Header, TableRow
 
 COPY_TBPS = 4.18
 BF16_TOL = 1e-2
@@ -56,6 +60,18 @@ class Report:
                 f"{fmt(r.torch_us, '.1f'):>10}{fmt(r.bytes / 1e6, '.2f'):>9}{fmt(tbps, '.2f'):>7}"
                 f"{fmt(tbps and 100 * tbps / COPY_TBPS, '.0f'):>7}{fmt(tflops, '.0f'):>9}  {r.note}")
         return "\n".join(lines)
+
+
+def suite_rows(report: Report, header: Header, section: str, impl: str = "triton") -> Iterator[TableRow]:
+    """Each row as the suite's: the graph time against the longer of its bytes at the copy bandwidth and its
+    FLOPs at the bf16 GEMM rate; the check's verdict; the torch and eager times in the note."""
+    for r in report.rows:
+        floor = max(r.bytes / header.bandwidth, r.flops / header.gemm_flops) if r.graph_us else None
+        notes = [f"rel err {r.err:.1e}" if r.err is not None else "",
+                 f"torch {r.torch_us:.1f} us" if r.torch_us else "",
+                 f"eager {r.eager_us:.1f} us" if r.eager_us else "", r.note]
+        yield TableRow(section, r.name, impl, r.graph_us and r.graph_us * 1e-6, floor_s=floor,
+                       note="; ".join(n for n in notes if n), passed=None if r.err is None else r.ok)
 
 
 # ----------------------------------------------------------------------------- measurement

@@ -1,4 +1,4 @@
-"""GPU check and benchmark of autodeploy's Triton kernels (written for one H200; needs torch + triton).
+"""The suite's kernels section: autodeploy's Triton kernels checked and timed on the GPU.
 
 Every kernel is first checked against its torch reference on fresh random bf16 inputs
 (||out - ref|| / ||ref||; bf16 passes below 1e-2), then timed:
@@ -7,9 +7,9 @@ Every kernel is first checked against its torch reference on fresh random bf16 i
   (K sized so the sets exceed 4x the L2 cache where memory allows), divided by K: the time the
   kernel costs inside the engine's decode graph, without launch overhead or L2 reuse;
 - ``eager us``: ``triton.testing.do_bench`` median of one eager call (host launch cost included);
-- ``torch us``: the reference in the same CUDA-graph harness (small ops only);
-- ``TB/s`` and ``%copy``: bytes that must move (inputs read once, outputs written once) / graph
-  time, against the measured 4.18 TB/s copy bandwidth; ``TFLOP/s`` for prefill attention.
+- ``torch us``: the reference in the same CUDA-graph harness (small ops only), the kernel's peer;
+- floor: bytes that must move (inputs read once, outputs written once) at the copy bandwidth, and for
+  prefill attention its FLOPs at the bf16 GEMM rate, whichever is longer.
 
 The rows, the table and the timing live in ``gpu_harness.py`` (this folder).
 
@@ -17,50 +17,40 @@ Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, p
 batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
 cached tokens; decode with the RoPE folded in (``decode+rope``, batch 1/64 x 512) next to the
 unfused ``rope_qk`` + attention pair it replaces. It is one launch per call: the cache write, the
-attention and the merge of the flash-decoding splits; its checks also compare the written cache with the reference's and replay
-a split launch from a CUDA graph (the split counters must be back at zero after every replay).
-Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
-413 TFLOP/s.
+attention and the merge of the flash-decoding splits; its checks also compare the written cache with the
+reference's and replay a split launch from a CUDA graph (the split counters must be back at zero after every
+replay). Anchors (FlashInfer 0.6.6 on an H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
+413 TFLOP/s; ``--flashinfer`` times FlashInfer in the same run (JIT-compiles for minutes).
 
-    python bench/kernels_gpu.py                # < 3 minutes; exit 1 if any check fails
-    python bench/kernels_gpu.py --sweep        # + decode launch-config sweep
-    python bench/kernels_gpu.py --flashinfer   # + FlashInfer backend rows (JIT-compiles, minutes)
+    python bench/full_table.py --sections kernels    # < 3 minutes; exit 1 if any check fails
+    python bench/kernels_gpu.py [--flashinfer]       # the same checks in the harness's own wider table
 
-The decode sweeps and the per-program timeline (``--sweep``, ``--sweep-only``, ``--context-sweep``,
-``--layout-sweep``, ``--trace-attention``) live in ``attention_sweeps.py`` (this folder).
+The decode launch-config sweeps and the per-program timeline: ``bench/probes/attention_sweeps.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import types
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "autodeploy" not in sys.modules:  # kernels and reference ops without autodeploy/__init__ (transformers)
-    _pkg = types.ModuleType("autodeploy")
-    _pkg.__path__ = [str(ROOT / "autodeploy")]
-    sys.modules["autodeploy"] = _pkg
+import torch
+import triton
+from gpu_harness import (BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, suite_rows,
+                         timed)
+from table import TableRow
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from gpu_harness import (  # noqa: E402  (this folder)
-    BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, timed,
-)
-
-import autodeploy.ops  # noqa: E402,F401  (registers the reference ops)
-from autodeploy.kernels.activation import act_mul  # noqa: E402
-from autodeploy.kernels.argmax import argmax_rows  # noqa: E402
-from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
-from autodeploy.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
-from autodeploy.kernels.paged_attention import paged_attention_fwd  # noqa: E402
-from autodeploy.kernels.rope import rope, rope_qk  # noqa: E402
-from autodeploy.ops.mlp import ACTIVATIONS  # noqa: E402
-from autodeploy.ops.norm import rms_norm_reference  # noqa: E402
-from autodeploy.ops.rope import rope_reference  # noqa: E402
+import autodeploy.ops  # noqa: F401  (registers the reference ops)
+from autodeploy.kernels.activation import act_mul
+from autodeploy.kernels.argmax import argmax_rows
+from autodeploy.kernels.attention_config import AttentionLaunch
+from autodeploy.kernels.norm import add_rms_norm, rms_norm
+from autodeploy.kernels.paged_attention import paged_attention_fwd
+from autodeploy.kernels.rope import rope, rope_qk
+from autodeploy.ops.mlp import ACTIVATIONS
+from autodeploy.ops.norm import rms_norm_reference
+from autodeploy.ops.rope import rope_reference
 
 HQ, HKV, D, PAGE, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
 BF16 = torch.bfloat16
@@ -319,49 +309,32 @@ def check_split_merge_replays(report: Report, replays: int = 20) -> None:
     report.add(Row("check split merge, graph replays", err, note=f"64 decodes, 16 splits, {replays} replays"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
-    parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
-    parser.add_argument("--sweep-only", default=None, metavar="BxCTX,...",
-                        help="only the decode sweep, for these batch x context cases (e.g. 1x512,64x512)")
-    parser.add_argument("--context-sweep", default=None, metavar="BxCTX,...",
-                        help="only decode with RoPE by context and register cap (e.g. 480x192,64x512)")
-    parser.add_argument("--layout-sweep", default=None, metavar="BxCTX,...",
-                        help="only decode with RoPE on token-major vs head-major pages (e.g. 64x512,480x200)")
-    parser.add_argument("--trace-attention", default=None, metavar="BxCTX,...",
-                        help="only a per-program timeline of decode with RoPE (e.g. 64x512,480x192)")
-    args = parser.parse_args()
+def run_all(flashinfer: bool = False) -> Report:
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
-    import attention_sweeps as sweeps  # (this folder; it imports this module's batches)
-
     report = Report()
-    if args.trace_attention:
-        lines: list[str] = []
-        sweeps.trace_attention(lines, args.trace_attention)
-        print("\n".join(lines))
-        return 0
-    if args.sweep_only or args.context_sweep or args.layout_sweep:
-        if args.layout_sweep:
-            sweeps.sweep_layout(report, args.layout_sweep)
-        if args.sweep_only:
-            sweeps.sweep_decode(report, args.sweep_only)
-        if args.context_sweep:
-            sweeps.sweep_context(report, args.context_sweep)
-        print(report.table())
-        return 0 if all(r.ok for r in report.rows) else 1
-    bench_norms(report)
-    bench_act_mul(report)
-    bench_argmax(report)
-    bench_rope(report)
-    check_attention_features(report)
-    check_split_merge_replays(report)
-    bench_attention(report, args.flashinfer)
+    for bench in (bench_norms, bench_act_mul, bench_argmax, bench_rope, check_attention_features,
+                  check_split_merge_replays):
+        bench(report)
+    bench_attention(report, flashinfer)
     bench_rope_attention(report)
-    if args.sweep:
-        sweeps.sweep_decode(report)
+    return report
+
+
+def add_options(group) -> None:
+    group.add_argument("--flashinfer", action="store_true",
+                       help="also time the FlashInfer backend (minutes of JIT)")
+
+
+def table_rows(args, header) -> Iterator[TableRow]:
+    yield from suite_rows(run_all(args.flashinfer), header, "kernels")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
+    report = run_all(parser.parse_args().flashinfer)
     print(report.table())
     failed = [r.name for r in report.rows if not r.ok]
     print(f"checks: {len(report.rows) - len(failed)} ok, {len(failed)} failed {failed if failed else ''}")

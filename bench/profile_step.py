@@ -1,6 +1,8 @@
-"""Profile one decode step of the compiled model: GPU kernels (count, total us) and host time split.
+"""Where a step's time goes: one decode step of the compiled model, its GPU kernels (the slowest, with their
+count and time per step), the host's time split (metadata, launch, wait) and the idle gaps of the timeline.
 
-    python bench/profile_step.py --shape llama8b --batch 1
+    python bench/profile_step.py --shape llama8b --batches 1,64 --engine   # + the engine's decode steps
+    python bench/profile_step.py --batches 480 --context 192 --eager      # + a prefill and a mixed step
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ import argparse
 import time
 
 import torch
-
 from decode_bench import bench_autodeploy, compile_autodeploy, decode_chunks, llama_config
 
 
@@ -109,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     max_batch = max(batches + ([256] if args.eager else []))
-    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, "triton")
+    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context)
     if args.eager:
         eager_steps(model, args.context)
     for b in batches:

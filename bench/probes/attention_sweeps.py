@@ -1,7 +1,9 @@
-"""Decode attention sweeps and a per-program timeline, on the GPU (the options of ``kernels_gpu.py``
-that tune ``AttentionLaunch.choose`` and explain where a decode grid's time goes):
+"""Decode attention sweeps and a per-program timeline, on the GPU (what tuned ``AttentionLaunch.choose``
+and explained where a decode grid's time goes; the kernels and batches of ``kernels_gpu.py``):
 
-- ``sweep_decode`` (``--sweep``, ``--sweep-only``): block sizes, warps, stages, splits, the first-block
+    PYTHONPATH=bench python bench/probes/attention_sweeps.py --sweep 1x4096,64x512 --context-sweep 480x192
+
+- ``sweep_decode`` (``--sweep``): block sizes, warps, stages, splits, the first-block
   preload, for batch x context cases;
 - ``sweep_context`` (``--context-sweep``): the engine's kernel (RoPE folded in) by context, key-block
   width, register cap and preload;
@@ -11,6 +13,7 @@ that tune ``AttentionLaunch.choose`` and explain where a decode grid's time goes
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import torch
@@ -172,3 +175,24 @@ def _trace_stats(buf: torch.Tensor) -> dict[str, list[float]]:
         out[f"{n0} -> {n1}"] = torch.quantile((t[:, e1] - t[:, e0]) / 1e3, qs).tolist()
     out["start -> stored"] = torch.quantile((t[:, 5] - t[:, 1]) / 1e3, qs).tolist()
     return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("sweep", "context-sweep", "layout-sweep", "trace-attention"):
+        parser.add_argument(f"--{name}", default=None, metavar="BxCTX,...")
+    args = parser.parse_args()
+    if args.trace_attention:
+        lines: list[str] = []
+        trace_attention(lines, args.trace_attention)
+        print("\n".join(lines))
+    report = Report()
+    for cases, sweep in ((args.layout_sweep, sweep_layout), (args.sweep, sweep_decode),
+                         (args.context_sweep, sweep_context)):
+        if cases:
+            sweep(report, cases)
+    print(report.table())
+
+
+if __name__ == "__main__":
+    main()
