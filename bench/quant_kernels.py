@@ -7,7 +7,8 @@ implementation runs on weights of its format (random bf16 weights quantized on t
 codes and scales), the activation quantization included where the op quantizes (``fp8_gemm``):
 
 - ``bf16 cuBLAS`` (F.linear) and ``bf16 GEMV`` (``kernels/gemv.py``, M <= 4);
-- ``fp8_gemv channel`` / ``fp8_gemv block128`` / ``nvfp4_gemv`` (weight-only, M <= 4);
+- ``fp8_gemv channel`` / ``fp8_gemv block128`` / ``nvfp4_gemv`` (weight-only, CUDA cores, M <= 4) and
+  ``fp8 weight-only channel`` / ``block128`` (the same on the tensor cores, M <= 512);
 - ``scaled_mm tensor`` (static per-tensor input and weight scales, cuBLASLt) and ``scaled_mm
   rowwise`` (per-channel weight, dynamic per-token input) through ``fp8_gemm(backend="scaled_mm")``;
   ``fp8_gemm triton rowwise`` (M >= 8), the same on the Triton GEMM;
@@ -24,7 +25,7 @@ summary adds the batch-1 linears of a whole 8B decode step (32 layers x qkv, o, 
 LM head, which stays bf16 in the quantized rows) against the weight stream's floor.
 
     python bench/quant_kernels.py [--json PATH]              # < 4 minutes on an H100; exit 1 if a check fails
-    python bench/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep   # GEMV launch sweep
+    python bench/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep   # batch-1 launch sweep
     python bench/quant_kernels.py --compile-sm90   # no GPU: registers, spills, tensor-core use per variant
 """
 
@@ -47,7 +48,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYERS = 32  # Llama-3.1-8B
 CHECK_ROWS = 256
 TOLERANCE = 1e-2
-GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
+GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]  # n x bytes / warps
+TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]  # n, k tile, stages
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Impl:
     fmt: str  # a key of FORMATS
     call: Callable = field(compare=False)
     reference: Callable = field(compare=False)
-    max_rows: int | None = None  # the GEMVs: at most 4
+    max_rows: int | None = None  # the GEMVs: at most 4; the weight-only FP8 GEMMs (decode batches): 512
     min_rows: int = 1
 
     def takes(self, rows: int) -> bool:
@@ -115,9 +117,12 @@ def table(results: list[Result], copy_bytes_per_s: float) -> str:
 
 DECODE_STEPS = {  # the batch-1 linears of one 8B decode step: (layer impl, LM head impl)
     "bf16": ("bf16 GEMV", "bf16 GEMV"),
-    "fp8": ("fp8_gemv channel", "bf16 GEMV"),
-    "fp8 block128": ("fp8_gemv block128", "bf16 GEMV"),
-    "nvfp4": ("nvfp4_gemv", "bf16 GEMV"),
+    "fp8 gemv": ("fp8_gemv channel", "bf16 GEMV"),
+    "fp8 tc": ("fp8 weight-only channel", "bf16 GEMV"),
+    "fp8 block gemv": ("fp8_gemv block128", "bf16 GEMV"),
+    "fp8 block tc": ("fp8 weight-only block128", "bf16 GEMV"),
+    "nvfp4 gemv": ("nvfp4_gemv", "bf16 GEMV"),
+    "nvfp4 tc": ("nvfp4_gemm", "bf16 GEMV"),
 }
 
 
@@ -133,7 +138,7 @@ def decode_summary(results: list[Result], copy_bytes_per_s: float) -> list[str]:
             continue
         ms = sum(r.us * count for r, count in parts) / 1e3
         floor = sum(r.weight_bytes * count for r, count in parts) / copy_bytes_per_s * 1e3
-        lines.append(f"8B decode linears, batch 1, {label:<13}{ms:7.3f} ms   floor {floor:.3f} ms   "
+        lines.append(f"8B decode linears, batch 1, {label:<15}{ms:7.3f} ms   floor {floor:.3f} ms   "
                      f"{100 * floor / ms:.0f}% of it")
     return lines
 
@@ -185,7 +190,7 @@ def weight_bytes(t: dict) -> int:
 def implementations() -> list[Impl]:
     from autodeploy.kernels import quant_reference as ref
     from autodeploy.kernels.gemv import gemv
-    from autodeploy.kernels.quant_gemm import fp8_gemm, nvfp4_gemm
+    from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
 
     def weight_only(x, t, dequantized):  # the GEMVs' and NVFP4's semantics: x times the fp32 weight
@@ -207,6 +212,10 @@ def implementations() -> list[Impl]:
              weight_only, max_rows=4),
         Impl("nvfp4_gemv", "nvfp4", lambda x, t: nvfp4_gemv(x, t["packed"], t["scale"], t["scale_2"]), weight_only,
              max_rows=4),
+        Impl("fp8 weight-only channel", "fp8_channel", lambda x, t: fp8_weight_only_gemm(x, t["weight"], t["scale"]),
+             weight_only, max_rows=512),
+        Impl("fp8 weight-only block128", "fp8_block",
+             lambda x, t: fp8_weight_only_gemm(x, t["weight"], t["scale"], t["block"]), weight_only, max_rows=512),
         Impl("scaled_mm tensor", "fp8_tensor", gemm("scaled_mm"), quantized),
         Impl("scaled_mm rowwise", "fp8_channel", gemm("scaled_mm"), quantized),
         Impl("fp8_gemm triton rowwise", "fp8_channel", gemm("triton"), quantized, min_rows=8),
@@ -261,20 +270,34 @@ def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None, na
     return result
 
 
-def gemv_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[Result]:
-    """The batch-1 quantized GEMVs over ``GEMV_SWEEP``'s launch configs (features x bytes / warps)."""
+def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[Result]:
+    """The batch-1 weight-only kernels over launch configs: the CUDA-core GEMVs over ``GEMV_SWEEP``
+    (features x bytes / warps), the tensor-core GEMMs over ``TC_SWEEP`` (features, K tile, stages)."""
+    from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
 
-    variants = {"fp8_gemv channel": lambda launch: lambda x, t: fp8_gemv(x, t["weight"], t["scale"], launch=launch),
-                "nvfp4_gemv": lambda launch: lambda x, t: nvfp4_gemv(x, t["packed"], t["scale"], t["scale_2"],
-                                                                     launch=launch)}
+    kernels = {"fp8_gemv channel": (fp8_gemv, "weight", GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv": (nvfp4_gemv, "packed", GEMV_SWEEP, QuantGemvLaunch),
+               "fp8 weight-only channel": (fp8_weight_only_gemm, "weight", TC_SWEEP, _tc_launch),
+               "nvfp4_gemm": (nvfp4_gemm, "packed", TC_SWEEP, _tc_launch)}
     found = []
-    for impl in (i for i in impls if i.name in variants):
-        for block_n, block_b, warps in GEMV_SWEEP:
-            launch = QuantGemvLaunch(block_n, block_b, warps)
-            found.append(measure(shape, 1, impl, weights, variants[impl.name](launch),
-                                 f"{impl.name} {block_n}x{block_b}/{warps}w"))
+    for impl in (i for i in impls if i.name in kernels):
+        kernel, name, configs, make = kernels[impl.name]
+        for config in configs:
+            launch = make(*config)
+            call = (lambda launch: lambda x, t: kernel(x, t[name], *_scale_args(t), launch=launch))(launch)
+            found.append(measure(shape, 1, impl, weights, call, f"{impl.name} {'/'.join(map(str, config))}"))
     return found
+
+
+def _tc_launch(block_n: int, block_k: int, stages: int):
+    from autodeploy.kernels.quant_gemm import GemmLaunch
+
+    return GemmLaunch(16, block_n, block_k, num_warps=4, num_stages=stages)
+
+
+def _scale_args(t: dict) -> tuple:
+    return (t["scale"], t["scale_2"]) if "scale_2" in t else (t["scale"],)
 
 
 def measure_all(args, impls: list[Impl]) -> list[Result]:
@@ -286,7 +309,7 @@ def measure_all(args, impls: list[Impl]) -> list[Result]:
             results.append(measure(shape, m, impl, weights))
             print(f"  {shape} M={m} {impl.name}: {results[-1].us or results[-1].note}", flush=True)
         if args.sweep:
-            results += gemv_sweep(shape, impls, weights)
+            results += launch_sweep(shape, impls, weights)
         del weights
         torch.cuda.empty_cache()
     return results
@@ -306,23 +329,24 @@ def compile_variants():
                     "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
         const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
                      BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
-                     PRELOAD=launch.preload)
+                     PRELOAD=launch.preload, E2M1_PTX=True)
         name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
-    def gemm(nvfp4, rows, block_scaled=False):
-        launch = qm.GemmLaunch.choose(rows, block_scaled=block_scaled)
-        tiles = dict(HAS_BIAS=False, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                     GROUP_M=launch.group_m)
-        if nvfp4:
-            pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp8e4nv", "scale2_ptr": "*fp32",
-                        "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-            kernel, const = qm._nvfp4_gemm_kernel, dict(tiles, DOT_PRECISION="tf32")
-        else:
+    def gemm(fmt, rows, block_scaled=False):
+        launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
+        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                     BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
+        if fmt is None:  # activations quantized: fp8_gemm's Triton GEMM
             pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
                         "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-            kernel, const = qm._fp8_gemm_kernel, dict(tiles, BLOCK_SCALED=block_scaled)
-        name = f"{'nvfp4' if nvfp4 else 'fp8'}_gemm {rows} rows{' block' if block_scaled else ''}"
+            kernel, const, name = qm._fp8_gemm_kernel, tiles, "fp8_gemm"
+        else:
+            pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                        "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+            kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
+            const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
+        name = f"{name} {rows} rows{' block' if block_scaled else ''}"
         return name, kernel, pointers, const, launch.num_warps, launch.num_stages
 
     for fmt in qg.WeightFormat:
@@ -330,9 +354,10 @@ def compile_variants():
             yield gemv(fmt, rows)
     yield gemv(qg.WeightFormat.FP8, 1, block_scaled=True)
     for rows in (1, 64, 4096):
-        yield gemm(True, rows)
-        yield gemm(False, rows)
-        yield gemm(False, rows, block_scaled=True)
+        yield gemm(qg.WeightFormat.NVFP4, rows)
+        for fmt in (None, qg.WeightFormat.FP8):
+            yield gemm(fmt, rows)
+            yield gemm(fmt, rows, block_scaled=True)
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for static in (False, True):
         yield f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize, dict(STATIC=static,
@@ -365,7 +390,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     parser.add_argument("--rows", type=_ints, default=[1, 8, 64, 512])
     parser.add_argument("--gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
-    parser.add_argument("--sweep", action="store_true", help="also the batch-1 GEMVs over launch configs")
+    parser.add_argument("--sweep", action="store_true", help="also the batch-1 weight-only kernels over launch configs")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
     parser.add_argument("--compile-sm90", action="store_true", help="only compile the kernels for sm_90 (no GPU)")
     args = parser.parse_args(argv)

@@ -26,9 +26,8 @@ import triton
 import triton.language as tl
 
 from . import quant_reference as ref
-from .quant_gemv import E2M1_UNIT, nvfp4_block_dequantize
+from .quant_gemv import FP8, ScaleLayout, WeightFormat, e2m1_ptx, nvfp4_block_dequantize
 
-E2M1_UNIT_C = tl.constexpr(E2M1_UNIT)
 MIN_AMAX = tl.constexpr(ref.MIN_AMAX)
 FP8_MAX = tl.constexpr(ref.FP8_MAX)
 BACKENDS = ("auto", "triton", "scaled_mm")
@@ -145,11 +144,13 @@ class GemmLaunch:
     group_m: int = 8
 
     @classmethod
-    def choose(cls, m: int, block_k: int = 128, block_scaled: bool = False) -> "GemmLaunch":
-        """16-row tiles for decode batches (mma.sync), 64 rows up to 64, then wgmma tiles of 128 x 128
-        (64 x 128 with block scales: their second accumulator spills registers at 128 x 128, sm_90)."""
+    def choose(cls, m: int, n: int = 1 << 20, block_k: int = 128, block_scaled: bool = False) -> "GemmLaunch":
+        """16-row tiles for decode batches (mma.sync; 32 features where 64 would leave SMs of an H100
+        idle: below 16384 features, e.g. 128 instead of 64 programs at N = 4096), 64 rows up to 64,
+        then wgmma tiles of 128 x 128 (64 x 128 with block scales: their second accumulator spills
+        registers at 128 x 128, sm_90)."""
         if m <= 16:
-            return cls(16, 64, block_k, num_warps=4, num_stages=4)
+            return cls(16, 64 if n >= 16384 else 32, block_k, num_warps=4, num_stages=4)
         if m <= 64:
             return cls(64, 64, block_k, num_warps=4, num_stages=4)
         if block_scaled:
@@ -214,31 +215,47 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(
-    x_ptr, w_ptr, scale_ptr, scale2_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _weight_only_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor,
+    FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
 ):
-    """x [M, K] times the NVFP4 weight [N, K // 2 bytes] transposed, each weight tile dequantized
-    (exactly, in fp16: ``nvfp4_block_dequantize``) to x's dtype for the tensor cores."""
+    """x [M, K] times a quantized weight [N, K] transposed (scales read as ``quant_gemv.ScaleLayout``
+    says), each weight tile converted to x's dtype in registers for the tensor cores: FP8 exactly,
+    NVFP4 through ``nvfp4_block_dequantize`` (exact in fp16 and bf16); block-scaled FP8 multiplies
+    each K tile's product by its scales (``BLOCK_K`` divides the scale block)."""
     tile_m, tile_n = _tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    bs = tl.arange(0, BLOCK_K // 2)
-    blocks = tl.arange(0, BLOCK_K // 16)
+    w_bytes: tl.constexpr = BLOCK_K if FORMAT == FP8 else BLOCK_K // 2
+    bs = tl.arange(0, w_bytes)
     x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + bs[None, :]
-    s_tile = scale_ptr + cols.to(tl.int64)[:, None] * stride_sn + blocks[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_tile + k0, mask=(rows < M)[:, None] & (k0 + ks < K)[None, :], other=0.0)
-        w = tl.load(w_tile + k0 // 2, mask=(cols < N)[:, None] & (k0 // 2 + bs < K // 2)[None, :], other=0)
-        scale = tl.load(s_tile + k0 // 16, mask=(cols < N)[:, None] & (k0 + 16 * blocks < K)[None, :], other=0.0)
-        w = tl.reshape(nvfp4_block_dequantize(w, scale, BLOCK_N, BLOCK_K), [BLOCK_N, BLOCK_K])
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    acc *= tl.load(scale2_ptr) * E2M1_UNIT_C
-    _store_tile(out_ptr, bias_ptr, acc, rows, cols, M, N, stride_om, HAS_BIAS)
+        b0 = k0 * w_bytes // BLOCK_K  # the tile's first byte
+        w = tl.load(w_tile + b0, mask=(cols < N)[:, None] & (b0 + bs < K * w_bytes // BLOCK_K)[None, :], other=0)
+        if FORMAT == FP8:
+            w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+            if BLOCK_SCALED:
+                scale = tl.load(scale_ptr + (cols // scale_rows) * stride_sn + (k0 // scale_cols) * stride_sk,
+                                mask=cols < N, other=0.0)
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            scale = tl.load(scale_ptr + cols.to(tl.int64)[:, None] * stride_sn + blocks[None, :] * stride_sk,
+                            mask=(cols < N)[:, None] & (blocks * 16 < K)[None, :], other=0.0)
+            w = tl.reshape(nvfp4_block_dequantize(w, scale, BLOCK_N, BLOCK_K, E2M1_PTX), [BLOCK_N, BLOCK_K])
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+    if not BLOCK_SCALED:
+        acc *= tl.load(out_scale_ptr + cols * stride_os, mask=cols < N, other=0.0)[None, :]
+    _store_tile(out_ptr, bias_ptr, acc * out_factor, rows, cols, M, N, stride_om, HAS_BIAS)
 
 
 def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
@@ -263,7 +280,7 @@ def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     rows = x.reshape(-1, k)
     use_scaled_mm = backend == "scaled_mm" or (backend == "auto" and kind != "block" and _scaled_mm_fits(x, n, k))
     if not use_scaled_mm:
-        launch = _gemm_launch(rows.shape[0], kind, block_size, launch)
+        launch = _gemm_launch(rows.shape[0], n, kind, block_size, launch)
     x_fp8, x_scale = fp8_quantize(rows, input_scale, int(block_size[1]) if kind == "block" else None)
     if use_scaled_mm:
         out = _scaled_mm(x_fp8, x_scale, weight_fp8, weight_scale, kind, bias, x.dtype)
@@ -272,17 +289,18 @@ def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     return out.view(*x.shape[:-1], n)
 
 
-def _gemm_launch(m: int, kind: str, block_size, launch: GemmLaunch | None) -> GemmLaunch:
+def _gemm_launch(m: int, n: int, kind: str, block_size, launch: GemmLaunch | None,
+                 what: str = "fp8_gemm") -> GemmLaunch:
     """The Triton GEMM's tiles; with block scales, K tiles that never straddle a scale block."""
     if kind != "block":
-        return launch or GemmLaunch.choose(m)
+        return launch or GemmLaunch.choose(m, n)
     scale_cols = int(block_size[1])
     block_k = min(128, scale_cols & -scale_cols)  # the largest power of two dividing it
     if block_k < 16:
-        raise ValueError(f"fp8_gemm: a scale block of {scale_cols} columns is not a multiple of 16")
-    launch = launch or GemmLaunch.choose(m, block_k, block_scaled=True)
+        raise ValueError(f"{what}: a scale block of {scale_cols} columns is not a multiple of 16")
+    launch = launch or GemmLaunch.choose(m, n, block_k, block_scaled=True)
     if scale_cols % launch.block_k:
-        raise ValueError(f"fp8_gemm: block_k {launch.block_k} must divide the scale block's {scale_cols} columns")
+        raise ValueError(f"{what}: block_k {launch.block_k} must divide the scale block's {scale_cols} columns")
     return launch
 
 
@@ -336,22 +354,43 @@ def nvfp4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                launch: GemmLaunch | None = None) -> torch.Tensor:
     """``x @ dequantize(W).T + bias`` for x [..., K] (bf16/fp16; fp32 for tests) and a ModelOpt NVFP4
     weight (``quant_reference``), weight-only: the tensor cores multiply x by dequantized tiles."""
-    n, k = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemm")
-    ref.check_activations(x, k, "nvfp4_gemm")
-    ref.check_bias(bias, n, "nvfp4_gemm")
+    scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemm")
+    if launch is not None and (launch.block_k % 16 or launch.block_k < 32):
+        raise ValueError(f"nvfp4_gemm: block_k must be a multiple of 16 of at least 32, got {launch.block_k}")
+    return _weight_only(x, weight_packed, 2 * weight_packed.shape[1], scales, WeightFormat.NVFP4, bias, launch,
+                        "nvfp4_gemm")
+
+
+def fp8_weight_only_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
+                         bias: torch.Tensor | None = None, *, launch: GemmLaunch | None = None) -> torch.Tensor:
+    """What ``fp8_gemv`` computes (x unquantized times the dequantized FP8 weight), for any number of
+    rows, on the tensor cores: each weight tile converted to x's dtype in registers (decode batches
+    stream the weight once; x is not quantized, unlike ``fp8_gemm``)."""
+    scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_weight_only_gemm")
+    if scales.block_scaled:
+        rows = x.numel() // max(x.shape[-1], 1)
+        launch = _gemm_launch(rows, weight_fp8.shape[0], "block", block_size, launch, "fp8_weight_only_gemm")
+    return _weight_only(x, weight_fp8.view(torch.uint8), weight_fp8.shape[1], scales, WeightFormat.FP8, bias, launch,
+                        "fp8_weight_only_gemm")
+
+
+def _weight_only(x, weight, k: int, scales: ScaleLayout, fmt: WeightFormat, bias, launch: GemmLaunch | None,
+                 what: str) -> torch.Tensor:
+    n = weight.shape[0]
+    ref.check_activations(x, k, what)
+    ref.check_bias(bias, n, what)
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m = rows.shape[0]
-    launch = launch or GemmLaunch.choose(m)
-    if launch.block_k % 16 or launch.block_k < 32:
-        raise ValueError(f"nvfp4_gemm: block_k must be a multiple of 16 of at least 32, got {launch.block_k}")
+    launch = launch or GemmLaunch.choose(m, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         grid = (triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n),)
-        _nvfp4_gemm_kernel[grid](
-            rows, weight_packed, weight_scale, weight_scale_2.reshape(1), bias if bias is not None else out, out,
-            m, n, k, rows.stride(0), weight_packed.stride(0), weight_scale.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-            GROUP_M=launch.group_m, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        _weight_only_gemm_kernel[grid](
+            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0), *scales.kernel_args(),
+            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None, BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", E2M1_PTX=e2m1_ptx(x.device),
             num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.view(*x.shape[:-1], n)

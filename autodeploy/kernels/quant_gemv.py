@@ -23,6 +23,7 @@ tiles are sized in bytes: an FP8 tile of 4 x 2048 bytes is the bf16 GEMV's 4 x 1
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -56,27 +57,58 @@ def e2m1_to_fp16(code):
     return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.float16, bitcast=True)
 
 
+# e2m1_to_fp16 on four packed bytes at once (sm_80+ PTX; the interpreter runs e2m1_to_fp16): the
+# bytes spread to the 16-bit halves of two words (prmt), then per half the low nibble's magnitude
+# shifted to bits 11-9 and its sign to bit 15 (shl; and; lop3 0xE4 = c ? a : b), likewise the high
+# nibble's. Out: low nibbles of bytes 0-1, 2-3, then high nibbles of bytes 0-1, 2-3 (fp16 pairs).
+E2M1_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, b;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 a, t0, 9;
+shl.b32 b, t0, 12;
+and.b32 b, b, 0x80008000;
+lop3.b32 $0, a, b, 0x0E000E00, 0xE4;
+shl.b32 a, t1, 9;
+shl.b32 b, t1, 12;
+and.b32 b, b, 0x80008000;
+lop3.b32 $1, a, b, 0x0E000E00, 0xE4;
+shl.b32 a, t0, 5;
+shl.b32 b, t0, 8;
+and.b32 b, b, 0x80008000;
+lop3.b32 $2, a, b, 0x0E000E00, 0xE4;
+shl.b32 a, t1, 5;
+shl.b32 b, t1, 8;
+and.b32 b, b, 0x80008000;
+lop3.b32 $3, a, b, 0x0E000E00, 0xE4;
+}""")
+
+
 @triton.jit
-def e2m1_pairs_to_fp16(packed, ROWS: tl.constexpr, BYTES: tl.constexpr):
+def e2m1_pairs_to_fp16(packed, ROWS: tl.constexpr, BYTES: tl.constexpr, ASM: tl.constexpr):
     """A [ROWS, BYTES] tile of packed bytes as [ROWS, 2 * BYTES] fp16 elements in order (low nibble
-    first), times 2**-14 (``e2m1_to_fp16``)."""
-    pairs = tl.join(e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4))
-    return tl.reshape(pairs, [ROWS, 2 * BYTES])
+    first), times 2**-14 (``e2m1_to_fp16``); ``ASM``: four bytes per PTX sequence (``E2M1_ASM``)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                              is_pure=True, pack=4)
+    else:
+        low, high = e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4)
+    return tl.reshape(tl.join(low, high), [ROWS, 2 * BYTES])
 
 
 @triton.jit
-def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.constexpr):
+def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.constexpr, ASM: tl.constexpr):
     """A [ROWS, ELEMENTS // 2] tile of packed bytes and its [ROWS, ELEMENTS // 16] e4m3 scales as
     [ROWS, ELEMENTS // 16, 16] fp16 values times 2**-14: exact (each product has at most 8
     significant bits and is a multiple of 2**-24, fp16's smallest subnormal, below 0.17)."""
-    values = tl.reshape(e2m1_pairs_to_fp16(packed, ROWS, ELEMENTS // 2), [ROWS, ELEMENTS // 16, 16])
+    values = tl.reshape(e2m1_pairs_to_fp16(packed, ROWS, ELEMENTS // 2, ASM), [ROWS, ELEMENTS // 16, 16])
     return values * scale.to(tl.float16)[:, :, None]
 
 
 @triton.jit
 def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn, stride_sk,
                    block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, E2M1_PTX: tl.constexpr):
     """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
     as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
     bs = b0 + tl.arange(0, BLOCK_B)
@@ -91,12 +123,12 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
     else:
         # NVFP4: bytes -> elements in order (low nibble first), products summed per block of 16
         # elements, each sum times its block's e4m3 scale: one multiply and one accumulator per block
-        w = e2m1_pairs_to_fp16(w, BLOCK_N, BLOCK_B)
+        w = e2m1_pairs_to_fp16(w, BLOCK_N, BLOCK_B, E2M1_PTX)
         ks = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
                     other=0.0).to(tl.float32)
         blocks = b0 // 8 + tl.arange(0, BLOCK_B // 8)
-        scale = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :],
+        scale = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :] * stride_sk,
                         mask=col_ok[:, None] & (blocks * 16 < K)[None, :], other=0.0).to(tl.float32)
         if BLOCK_M == 1:
             products = w.to(tl.float32) * tl.sum(x, 0)[None, :]
@@ -114,7 +146,7 @@ def _quant_gemv_kernel(
     out_factor,
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +176,7 @@ def _quant_gemv_kernel(
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
         acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
                              stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M, BLOCK_N,
-                             BLOCK_B)
+                             BLOCK_B, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
@@ -179,6 +211,45 @@ class QuantGemvLaunch:
         return cls(block_n, min(block_b, max(16, triton.next_power_of_2(row_bytes))))
 
 
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How the kernels read a weight's scales: block-scaled, ``scale[n // rows, k // cols]`` (strides
+    ``stride_n``, ``stride_k``) multiplies each K block's products; otherwise ``out_scale[n *
+    stride_out]`` (stride 0: one value) multiplies each output feature's sum; then ``factor``. NVFP4:
+    ``scale`` holds the e4m3 block scales (per 16 elements, applied per block by the kernels' NVFP4
+    path), ``out_scale`` the global scale and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
+
+    scale: torch.Tensor
+    out_scale: torch.Tensor
+    stride_n: int
+    stride_k: int
+    stride_out: int
+    rows: int
+    cols: int
+    factor: float
+    block_scaled: bool
+
+    @classmethod
+    def fp8(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block_size, what: str) -> "ScaleLayout":
+        kind = ref.fp8_scale_kind(weight, weight_scale, block_size, what)
+        n, k = weight.shape
+        if kind == "block":
+            return cls(weight_scale, weight_scale, *weight_scale.stride(), 0, int(block_size[0]), int(block_size[1]),
+                       1.0, True)
+        flat = weight_scale.reshape(-1)
+        return cls(flat, flat, 0, 0, flat.stride(0) if kind == "channel" else 0, n, k, 1.0, False)
+
+    @classmethod
+    def nvfp4(cls, weight_packed, weight_scale, weight_scale_2, what: str) -> "ScaleLayout":
+        n, _ = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, what)
+        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0, n,
+                   ref.NVFP4_GROUP, E2M1_UNIT, False)
+
+    def kernel_args(self) -> tuple:
+        """The kernels' ``stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor``."""
+        return self.stride_n, self.stride_k, self.stride_out, self.rows, self.cols, self.factor
+
+
 def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
              bias: torch.Tensor | None = None, *, launch: QuantGemvLaunch | None = None) -> torch.Tensor:
     """``x @ dequantize(weight_fp8, weight_scale).T + bias`` for x [..., K] of at most 4 rows.
@@ -186,21 +257,14 @@ def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     ``weight_fp8`` float8_e4m3fn [N, K]; ``weight_scale`` fp32 per tensor, per channel ([N]) or per
     block ([ceil(N / bn), ceil(K / bk)] with ``block_size=(bn, bk)``); the result has x's dtype.
     """
-    kind = ref.fp8_scale_kind(weight_fp8, weight_scale, block_size, "fp8_gemv")
+    scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_gemv")
     n, k = weight_fp8.shape
     rows = _rows(x, k, bias, n, "fp8_gemv")
-    block_rows, block_cols = (int(block_size[0]), int(block_size[1])) if kind == "block" else (n, k)
-    launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0],
-                                                block_rows if kind == "block" else None)
-    if kind == "block" and block_rows % launch.block_n:
-        raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's {block_rows} rows")
-    if kind == "block":
-        scale, out_scale, (stride_sn, stride_sk) = weight_scale, weight_scale, weight_scale.stride()
-    else:
-        scale = out_scale = weight_scale.reshape(-1)
-        stride_sn, stride_sk = scale.stride(0) if kind == "channel" else 0, 0
-    return _launch(x, rows, weight_fp8.view(torch.uint8), scale, out_scale, bias, WeightFormat.FP8, k, kind == "block", stride_sn,
-                   stride_sk, out_scale.stride(0) if kind == "channel" else 0, block_rows, block_cols, 1.0, launch)
+    block_rows = scales.rows if scales.block_scaled else None
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
+    if scales.block_scaled and scales.rows % launch.block_n:
+        raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's {scales.rows} rows")
+    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch)
 
 
 def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -209,11 +273,16 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
     ``weight_scale_2`` fp32 (one value)."""
-    n, k = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
-    rows = _rows(x, k, bias, n, "nvfp4_gemv")
-    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, k // 2, rows.shape[0])
-    return _launch(x, rows, weight_packed, weight_scale, weight_scale_2.reshape(1), bias, WeightFormat.NVFP4, k // 2,
-                   False, weight_scale.stride(0), 1, 0, n, ref.NVFP4_GROUP, E2M1_UNIT, launch)
+    scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
+    n, row_bytes = weight_packed.shape
+    rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
+
+
+def e2m1_ptx(device: torch.device) -> bool:
+    """Whether kernels decode e2m1 with ``E2M1_ASM`` (compiled for a GPU) or in plain Triton (the interpreter)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
@@ -226,19 +295,18 @@ def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(x, rows, weight, scale, out_scale, bias, fmt: WeightFormat, row_bytes: int, block_scaled: bool,
-            stride_sn: int, stride_sk: int, stride_os: int, scale_rows: int, scale_cols: int, out_factor: float,
+def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_bytes: int,
             launch: QuantGemvLaunch) -> torch.Tensor:
     m, n = rows.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
-            rows, weight, scale, out_scale, bias if bias is not None else out, out,
-            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
-            stride_os, scale_rows, scale_cols, out_factor,
-            FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=bias is not None,
+            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
+            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0), *scales.kernel_args(),
+            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
-            TRIGGER=int(launch.trigger), PRELOAD=launch.preload, num_warps=launch.num_warps, num_stages=1,
+            TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device),
+            num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )
     return out.view(*x.shape[:-1], n)

@@ -24,7 +24,7 @@ def test_cases_run_the_gemvs_at_one_row_and_only_the_gemms_at_8192():
     assert names("down", 8192) == [i.name for i in impls if i.max_rows is None]
     assert [s for s, _, _ in found][:1] == ["qkv"] and [s for s, _, _ in found][-1] == "down"  # shape by shape
     everything = list(qk.cases(list(qk.SHAPES), [1, 8, 64, 512], [8192], impls))
-    assert len(everything) == 5 * (10 + 4 * 7)  # 10 at one row, the 7 GEMMs at 8, 64, 512, 8192
+    assert len(everything) == 5 * (12 + 3 * 9 + 7)  # 12 at one row, 9 up to 512 rows, the 7 GEMMs at 8192
 
 
 def _result(shape, impl, us, rows=1, err=1e-3, note=""):
@@ -36,7 +36,7 @@ def _result(shape, impl, us, rows=1, err=1e-3, note=""):
 def test_decode_summary_adds_32_layers_and_the_bf16_lm_head():
     results = [_result(s, impl, 10.0) for s in qk.SHAPES for impl in ("bf16 GEMV", "fp8_gemv channel")]
     lines = qk.decode_summary(results, copy_bytes_per_s=1e12)
-    assert [line.split(",")[2].split()[0] for line in lines] == ["bf16", "fp8"]  # nvfp4 rows missing: no line
+    assert [line.split(",")[2].strip()[:8] for line in lines] == ["bf16    ", "fp8 gemv"]  # the others: no rows
     layer_bytes = sum(n * k for name, (n, k) in qk.SHAPES.items() if name != "lm_head")
     head_bytes = 2 * 128256 * 4096
     fp8 = lines[1]
@@ -100,5 +100,25 @@ def test_every_default_launch_compiles_for_hopper_without_spills():
                          env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {line.split("  ")[0].strip(): line for line in run.stdout.splitlines()}
-    assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4_gemm 4096 rows"]
+    assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4 weight-only 4096 rows"]
     assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]  # 16-byte weight loads
+
+
+def test_launch_sweep_runs_every_config_of_the_weight_only_kernels(monkeypatch):
+    """Each swept call computes its kernel's reference (small CPU weights, the interpreter)."""
+    makers = qk.formats()
+    weights = {fmt: makers[fmt][0](torch.randn(64, 256) * 0.02) for fmt in ("fp8_channel", "nvfp4")}
+    seen = []
+
+    def fake_measure(shape, m, impl, _, call, name):
+        x = torch.randn(1, 256)
+        t = weights[impl.fmt]
+        want = impl.reference(x, t, lambda: makers[impl.fmt][1](t))
+        assert ((call(x, t).float() - want).norm() / want.norm()) < 1e-5, name
+        seen.append(name)
+        return qk.Result(shape, 64, 256, m, name)
+
+    monkeypatch.setattr(qk, "measure", fake_measure)
+    found = qk.launch_sweep("o", qk.implementations(), weights=None)
+    assert len(found) == 2 * len(qk.GEMV_SWEEP) + 2 * len(qk.TC_SWEEP)
+    assert "fp8_gemv channel 4/1024/4" in seen and "nvfp4_gemm 32/256/3" in seen

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autodeploy.kernels import quant_reference as ref
-from autodeploy.kernels.quant_gemm import GemmLaunch, fp8_gemm, fp8_quantize, nvfp4_gemm
+from autodeploy.kernels.quant_gemm import GemmLaunch, fp8_gemm, fp8_quantize, fp8_weight_only_gemm, nvfp4_gemm
 
 from test_quant_gemv import DTYPES, bound, fp8_scale, fp8_weight, nvfp4_weight, rel_err
 
@@ -108,6 +108,28 @@ def test_fp8_gemm_refuses_bad_inputs(bad, message):
                  args["bias"], backend=args["backend"], launch=args["launch"])
 
 
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_weight_only_gemm_matches_the_gemvs_reference(kind, dtype):
+    m, n, k = 20, 40, 80
+    weight = fp8_weight(n, k)
+    scale, block = fp8_scale(kind, n, k)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    for b in (None, bias):
+        got = fp8_weight_only_gemm(x, weight, scale, block, b, launch=SMALL)
+        assert got.shape == (m, n) and got.dtype == dtype
+        assert rel_err(got, ref.fp8_weight_only_reference(x, weight, scale, block, b)) < bound(dtype)
+
+
+def test_fp8_weight_only_gemm_refuses_what_the_gemv_refuses():
+    with pytest.raises(ValueError, match="neither per tensor, per channel"):
+        fp8_weight_only_gemm(torch.randn(2, 64), fp8_weight(24, 64), torch.ones(3))
+    with pytest.raises(ValueError, match="block_k 64 must divide"):
+        fp8_weight_only_gemm(torch.randn(2, 64), fp8_weight(24, 64), torch.ones(2, 2), (16, 32),
+                             launch=GemmLaunch(16, 16, 64))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [3, 20])
 def test_nvfp4_gemm_matches_the_reference(dtype, m):
@@ -141,5 +163,6 @@ def test_nvfp4_gemm_refuses_bad_inputs():
 
 def test_launches_by_rows():
     assert GemmLaunch.choose(1).block_m == 16 and GemmLaunch.choose(64).block_m == 64
+    assert GemmLaunch.choose(1, 4096).block_n == 32 and GemmLaunch.choose(1, 28672).block_n == 64
     assert (GemmLaunch.choose(4096).block_m, GemmLaunch.choose(4096).block_n) == (128, 128)
     assert (GemmLaunch.choose(4096, block_scaled=True).block_m, GemmLaunch.choose(4096).num_warps) == (64, 8)
