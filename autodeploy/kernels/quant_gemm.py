@@ -12,9 +12,11 @@
   Triton GEMM, which applies each K block's scales to that block's partial product (torch 2.9+ has
   blockwise ``_scaled_mm`` on sm_90 with cuBLAS 12.9; ``backend="scaled_mm"`` uses it where it fits,
   the benchmark compares both).
-- ``nvfp4_gemm``: weight-only: x stays in bf16/fp16, each weight tile is dequantized in registers
-  (``quant_gemv.nvfp4_dequantize``, exact in fp16/bf16) and multiplied on the tensor cores, the
-  global scale applied at the end.
+- ``nvfp4_gemm`` and ``fp8_weight_only_gemm``: weight-only, x stays in bf16/fp16; each weight tile
+  is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``quant_gemv.nvfp4_block_dequantize``,
+  exact in fp16 and bf16) and multiplied on the tensor cores, one kernel for both
+  (``_weight_only_gemm_kernel``, scales as ``quant_gemv.ScaleLayout`` describes them). At 16 rows this
+  is the tensor-core alternative to the CUDA-core GEMVs of ``quant_gemv.py`` (the benchmark runs both).
 """
 
 from __future__ import annotations

@@ -2,23 +2,32 @@
 
 ``out[M, N] = x[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests), the
 products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
-references are in ``quant_reference.py``.
+references are in ``quant_reference.py``; ``quant_gemm.py`` has the same computation on the tensor
+cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows.
 
 The structure is the bf16 GEMV's (``gemv.py``): one program computes ``BLOCK_N`` output features of
-every row over the whole K, streaming its weight rows ``BLOCK_B`` bytes at a time, products
-accumulated per (row, feature, byte lane) on the CUDA cores and reduced once after the loop; with
-PDL the first weight tile is loaded before the wait. A decode step costs its weight stream, so the
-tiles are sized in bytes: an FP8 tile of 4 x 2048 bytes is the bf16 GEMV's 4 x 1024 elements.
+every row over the whole K on the CUDA cores, products accumulated per (row, feature, lane) and
+reduced once after the loop, under PDL. A decode step costs its weight stream, so the tiles are
+sized in bytes, and each program loads its next weight tile before the products of the current one
+(the first before the PDL wait): a tile in flight while it computes.
 
 - FP8 (e4m3): a per-tensor or per-channel scale multiplies each feature's sum once at the end; a
   block scale ``[ceil(N / bn), ceil(K / bk)]`` varies along K, so it multiplies the activations of
   each K block instead (every program's features lie in one row block: ``BLOCK_N`` divides bn).
 - NVFP4: each byte holds elements 2j (low nibble) and 2j + 1; ``e2m1_to_fp16`` moves the code's bits
-  into an fp16 (the value times 2**-14, exact) and the product with the block's e4m3 scale is exact
-  in fp16 too (at most 8 significant bits, at least 2**-24); the 2**14 and the global scale multiply
-  the sums at the end. Hopper has no FP4 arithmetic, so this is the path of every GPU today;
+  into an fp16 (the value times 2**-14, exact; on the GPU ``E2M1_ASM`` does four bytes at a time);
+  the products are summed per block of 16 and each sum multiplied by the block's e4m3 scale; the
+  2**14 and the global scale multiply the sums at the end. The tensor-core path multiplies the fp16
+  values by their scales instead (``nvfp4_block_dequantize``: exact in fp16, at most 8 significant
+  bits and at least 2**-24). Hopper has no FP4 arithmetic, so this is the path of every GPU today;
   Blackwell's native FP4 GEMM (``torch._scaled_mm`` on float4_e2m1fn_x2 with swizzled scales) would
   be a second implementation behind ``nvfp4_gemv`` / ``nvfp4_gemm``, chosen by device.
+
+SASS of sm_90 (``bench/quant_kernels.py --compile-sm90``; no GPU here to time it): the FP8 GEMV's
+loop spends ~6.7 instructions per weight byte, the weight tile passing through shared memory to meet
+the bf16 activations' register layout; the tensor-core GEMM at 16 rows ~4.5 per FP8 weight, ~7.8 per
+NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
+instructions per FP8 byte and ~4 per NVFP4 element: the NVFP4 kernels are expected issue-bound.
 """
 
 from __future__ import annotations
