@@ -48,8 +48,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYERS = 32  # Llama-3.1-8B
 CHECK_ROWS = 256
 TOLERANCE = 1e-2
-GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]  # n x bytes / warps
-TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]  # n, k tile, stages
+# --sweep: GEMV (features, bytes, warps), tensor-core GEMM at 16 rows (features, K tile, stages)
+GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
+TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,14 @@ def cases(shapes: list[str], rows: list[int], gemm_rows: list[int], impls: list[
 
 def table(results: list[Result], copy_bytes_per_s: float) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    head = f"{'shape':<8}{'M':>6}  {'impl':<26}{'check':>13}{'us':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}  note"
+    head = (f"{'shape':<8}{'M':>6}  {'impl':<26}{'check':>13}{'us':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
+            "  note")
     lines = [head, "-" * len(head)]
     for r in results:
         check = "-" if r.err is None else f"{r.err:.1e} {'ok' if r.ok else 'FAIL'}"
         share = r.gbps and 100 * r.gbps * 1e9 / copy_bytes_per_s
-        lines.append(f"{r.shape:<8}{r.rows:>6}  {r.impl:<26}{check:>13}{fmt(r.us, '.1f'):>10}{fmt(r.gbps, '.0f'):>8}"
-                     f"{fmt(share, '.0f'):>7}{fmt(r.tflops, '.1f'):>9}  {r.note}")
+        lines.append(f"{r.shape:<8}{r.rows:>6}  {r.impl:<26}{check:>13}{fmt(r.us, '.1f'):>10}"
+                     f"{fmt(r.gbps, '.0f'):>8}{fmt(share, '.0f'):>7}{fmt(r.tflops, '.1f'):>9}  {r.note}")
     return "\n".join(lines)
 
 
@@ -147,7 +149,8 @@ def decode_summary(results: list[Result], copy_bytes_per_s: float) -> list[str]:
 
 
 def formats():
-    """Weight makers of each format (on the GPU, from random bf16 weights) and their dequantizers."""
+    """Weight makers of each format (from random bf16 weights; the keys are the kernels' argument
+    names) and their fp32 dequantizers."""
     from autodeploy.kernels import quant_reference as ref
 
     def fp8(w, scale):  # scale broadcastable to w
@@ -155,32 +158,33 @@ def formats():
 
     def fp8_tensor(w):
         scale = w.float().abs().amax() / 448
-        return dict(weight=fp8(w, scale), scale=scale, input_scale=torch.tensor(0.02, device=w.device))
+        static = torch.tensor(0.02, device=w.device)
+        return dict(weight_fp8=fp8(w, scale), weight_scale=scale, input_scale=static)
 
     def fp8_channel(w):
         scale = w.float().abs().amax(1) / 448
-        return dict(weight=fp8(w, scale[:, None]), scale=scale)
+        return dict(weight_fp8=fp8(w, scale[:, None]), weight_scale=scale)
 
     def fp8_block(w):
         n, k = w.shape
         blocks = w.float().unflatten(0, (n // 128, 128)).unflatten(2, (k // 128, 128))
         scale = blocks.abs().amax((1, 3)) / 448
         weight = fp8(blocks, scale[:, None, :, None]).flatten(2).flatten(0, 1)
-        return dict(weight=weight, scale=scale, block=(128, 128))
+        return dict(weight_fp8=weight, weight_scale=scale, block_size=(128, 128))
 
     def nvfp4(w):
         n, k = w.shape
         scale = (torch.rand(n, k // 16, device=w.device) * 2 + 0.25).to(torch.float8_e4m3fn)
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=w.device)
-        return dict(packed=packed, scale=scale, scale_2=torch.tensor(0.004, device=w.device))
+        return dict(weight_packed=packed, weight_scale=scale,
+                    weight_scale_2=torch.tensor(0.004, device=w.device))
 
-    return dict(
-        bf16=(lambda w: dict(weight=w), lambda t: t["weight"].float()),
-        fp8_tensor=(fp8_tensor, lambda t: ref.dequantize_fp8(t["weight"], t["scale"])),
-        fp8_channel=(fp8_channel, lambda t: ref.dequantize_fp8(t["weight"], t["scale"])),
-        fp8_block=(fp8_block, lambda t: ref.dequantize_fp8(t["weight"], t["scale"], t["block"])),
-        nvfp4=(nvfp4, lambda t: ref.dequantize_nvfp4(t["packed"], t["scale"], t["scale_2"])),
-    )
+    def fp8_dequantized(t):
+        return ref.dequantize_fp8(t["weight_fp8"], t["weight_scale"], t.get("block_size"))
+
+    return dict(bf16=(lambda w: dict(weight=w), lambda t: t["weight"].float()),
+                fp8_tensor=(fp8_tensor, fp8_dequantized), fp8_channel=(fp8_channel, fp8_dequantized),
+                fp8_block=(fp8_block, fp8_dequantized), nvfp4=(nvfp4, lambda t: ref.dequantize_nvfp4(**t)))
 
 
 def weight_bytes(t: dict) -> int:
@@ -197,31 +201,26 @@ def implementations() -> list[Impl]:
         return x.float() @ dequantized().t()
 
     def quantized(x, t, dequantized):  # fp8_gemm's: activations quantized first
-        return ref.fp8_linear_reference(x, t["weight"], t["scale"], t.get("input_scale"), t.get("block")).float()
+        return ref.fp8_linear_reference(x, t["weight_fp8"], t["weight_scale"], t.get("input_scale"),
+                                        t.get("block_size")).float()
 
-    def gemm(backend):
-        return lambda x, t: fp8_gemm(x, t["weight"], t["scale"], t.get("input_scale"), t.get("block"),
-                                     backend=backend)
+    def on(kernel, **options):  # the kernel on x and a format's weights
+        return lambda x, t: kernel(x, **t, **options)
 
     return [
-        Impl("bf16 cuBLAS", "bf16", lambda x, t: F.linear(x, t["weight"]), weight_only),
+        Impl("bf16 cuBLAS", "bf16", on(F.linear), weight_only),
         Impl("bf16 GEMV", "bf16", lambda x, t: gemv(x, t["weight"])[0], weight_only, max_rows=4),
-        Impl("fp8_gemv channel", "fp8_channel", lambda x, t: fp8_gemv(x, t["weight"], t["scale"]), weight_only,
-             max_rows=4),
-        Impl("fp8_gemv block128", "fp8_block", lambda x, t: fp8_gemv(x, t["weight"], t["scale"], t["block"]),
-             weight_only, max_rows=4),
-        Impl("nvfp4_gemv", "nvfp4", lambda x, t: nvfp4_gemv(x, t["packed"], t["scale"], t["scale_2"]), weight_only,
-             max_rows=4),
-        Impl("fp8 weight-only channel", "fp8_channel", lambda x, t: fp8_weight_only_gemm(x, t["weight"], t["scale"]),
-             weight_only, max_rows=512),
-        Impl("fp8 weight-only block128", "fp8_block",
-             lambda x, t: fp8_weight_only_gemm(x, t["weight"], t["scale"], t["block"]), weight_only, max_rows=512),
-        Impl("scaled_mm tensor", "fp8_tensor", gemm("scaled_mm"), quantized),
-        Impl("scaled_mm rowwise", "fp8_channel", gemm("scaled_mm"), quantized),
-        Impl("fp8_gemm triton rowwise", "fp8_channel", gemm("triton"), quantized, min_rows=8),
-        Impl("fp8_gemm block triton", "fp8_block", gemm("triton"), quantized),
-        Impl("fp8_gemm block scaled_mm", "fp8_block", gemm("scaled_mm"), quantized),
-        Impl("nvfp4_gemm", "nvfp4", lambda x, t: nvfp4_gemm(x, t["packed"], t["scale"], t["scale_2"]), weight_only),
+        Impl("fp8_gemv channel", "fp8_channel", on(fp8_gemv), weight_only, max_rows=4),
+        Impl("fp8_gemv block128", "fp8_block", on(fp8_gemv), weight_only, max_rows=4),
+        Impl("nvfp4_gemv", "nvfp4", on(nvfp4_gemv), weight_only, max_rows=4),
+        Impl("fp8 weight-only channel", "fp8_channel", on(fp8_weight_only_gemm), weight_only, max_rows=512),
+        Impl("fp8 weight-only block128", "fp8_block", on(fp8_weight_only_gemm), weight_only, max_rows=512),
+        Impl("scaled_mm tensor", "fp8_tensor", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("scaled_mm rowwise", "fp8_channel", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("fp8_gemm triton rowwise", "fp8_channel", on(fp8_gemm, backend="triton"), quantized, min_rows=8),
+        Impl("fp8_gemm block triton", "fp8_block", on(fp8_gemm, backend="triton"), quantized),
+        Impl("fp8_gemm block scaled_mm", "fp8_block", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("nvfp4_gemm", "nvfp4", on(nvfp4_gemm), weight_only),
     ]
 
 
@@ -238,7 +237,8 @@ class ShapeWeights:
         if fmt not in self.sets:
             make = self.makers[fmt][0]
             self.sets[fmt] = [make(self._random())]
-            self.sets[fmt] += [make(self._random()) for _ in range(sets_for(weight_bytes(self.sets[fmt][0])) - 1)]
+            copies = sets_for(weight_bytes(self.sets[fmt][0]))
+            self.sets[fmt] += [make(self._random()) for _ in range(copies - 1)]
         return self.sets[fmt]
 
     def dequantized_of(self, fmt: str) -> torch.Tensor:
@@ -250,7 +250,8 @@ class ShapeWeights:
         return torch.randn(self.n, self.k, device="cuda", dtype=torch.bfloat16) * 0.02
 
 
-def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None, name: str | None = None) -> Result:
+def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None,
+            name: str | None = None) -> Result:
     """Check one implementation (or ``call``, a variant of it) at M rows, then time it."""
     from gpu_harness import graph_us, rel_err
 
@@ -276,16 +277,17 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
     from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
 
-    kernels = {"fp8_gemv channel": (fp8_gemv, "weight", GEMV_SWEEP, QuantGemvLaunch),
-               "nvfp4_gemv": (nvfp4_gemv, "packed", GEMV_SWEEP, QuantGemvLaunch),
-               "fp8 weight-only channel": (fp8_weight_only_gemm, "weight", TC_SWEEP, _tc_launch),
-               "nvfp4_gemm": (nvfp4_gemm, "packed", TC_SWEEP, _tc_launch)}
+    kernels = {"fp8_gemv channel": (fp8_gemv, GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),
+               "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
+               "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}
     found = []
     for impl in (i for i in impls if i.name in kernels):
-        kernel, name, configs, make = kernels[impl.name]
+        kernel, configs, make = kernels[impl.name]
         for config in configs:
-            launch = make(*config)
-            call = (lambda launch: lambda x, t: kernel(x, t[name], *_scale_args(t), launch=launch))(launch)
+            def call(x, t, kernel=kernel, launch=make(*config)):
+                return kernel(x, **t, launch=launch)
+
             found.append(measure(shape, 1, impl, weights, call, f"{impl.name} {'/'.join(map(str, config))}"))
     return found
 
@@ -294,10 +296,6 @@ def _tc_launch(block_n: int, block_k: int, stages: int):
     from autodeploy.kernels.quant_gemm import GemmLaunch
 
     return GemmLaunch(16, block_n, block_k, num_warps=4, num_stages=stages)
-
-
-def _scale_args(t: dict) -> tuple:
-    return (t["scale"], t["scale_2"]) if "scale_2" in t else (t["scale"],)
 
 
 def measure_all(args, impls: list[Impl]) -> list[Result]:
@@ -334,16 +332,17 @@ def compile_variants():
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
     def gemm(fmt, rows, block_scaled=False):
+        scale_type = "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"
         launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
-        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-                     BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
+        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m,
+                     BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
         if fmt is None:  # activations quantized: fp8_gemm's Triton GEMM
             pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
                         "bias_ptr": "*bf16", "out_ptr": "*bf16"}
             kernel, const, name = qm._fp8_gemm_kernel, tiles, "fp8_gemm"
         else:
             pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                        "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+                        "out_ptr": "*bf16", "scale_ptr": scale_type}
             kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
             const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
         name = f"{name} {rows} rows{' block' if block_scaled else ''}"
@@ -362,14 +361,15 @@ def compile_variants():
     for static in (False, True):
         yield f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize, dict(STATIC=static,
                                                                                             BLOCK=4096), 4, 1
-    yield "fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1
+    groups = dict(GROUP_PAD=128, BLOCK_G=16)
+    yield "fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, groups, 4, 1
 
 
 def compile_sm90() -> int:
     """Compile every variant for sm_90 without a GPU; 1 if one fails or spills registers in a loop."""
     import compile_sm90 as tool  # first: it turns the interpreter off before the kernels are defined
 
-    tool.DIVISIBLE_INTS = tool.DIVISIBLE_INTS | {"row_bytes"}  # multiples of 16 at the 8B shapes, as the JIT sees
+    tool.DIVISIBLE_INTS = tool.DIVISIBLE_INTS | {"row_bytes"}  # a multiple of 16 at the 8B shapes
     ok = True
     for variant in compile_variants():
         row, good = tool.compile_variant(*variant)
@@ -390,9 +390,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     parser.add_argument("--rows", type=_ints, default=[1, 8, 64, 512])
     parser.add_argument("--gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
-    parser.add_argument("--sweep", action="store_true", help="also the batch-1 weight-only kernels over launch configs")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the batch-1 weight-only kernels over launch configs")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
-    parser.add_argument("--compile-sm90", action="store_true", help="only compile the kernels for sm_90 (no GPU)")
+    parser.add_argument("--compile-sm90", action="store_true",
+                        help="only compile the kernels for sm_90 (no GPU needed)")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -419,14 +421,15 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth()
     header = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   copy_bytes_per_s=bandwidth)
-    print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, "
+          f"copy {bandwidth / 1e12:.2f} TB/s")
     results = measure_all(args, implementations())
     print(table(results, bandwidth))
     print("\n".join(decode_summary(results, bandwidth)))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"header": header, "rows": [asdict(r) | {"gbps": r.gbps, "tflops": r.tflops} for r in results]},
-                      handle, indent=1)
+            rows = [asdict(r) | {"gbps": r.gbps, "tflops": r.tflops} for r in results]
+            json.dump({"header": header, "rows": rows}, handle, indent=1)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -80,8 +80,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, STAT
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, group_size, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr):
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, group_size, stride_xm, stride_qm, stride_sm,
+                            stride_sg, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr):
     """``BLOCK_G`` groups of one row: each group's amax, scale and e4m3 values."""
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -105,30 +105,43 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | None = None,
     k = x.shape[-1]
     ref.check_activations(x, k, "fp8_quantize")
     if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1):
-        raise ValueError(f"fp8_quantize: a static scale must be one float32 value, got {scale.dtype} of shape "
-                         f"{tuple(scale.shape)}")
+        raise ValueError(f"fp8_quantize: a static scale must be one float32 value, got {scale.dtype} of "
+                         f"shape {tuple(scale.shape)}")
     if group_size is not None and (scale is not None or not 1 <= group_size <= MAX_GROUP):
         raise ValueError(f"fp8_quantize: group_size must be 1 to {MAX_GROUP} columns, and scale None; got "
                          f"group_size={group_size}, scale={scale}")
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    m = rows.shape[0]
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    if group_size is None:
-        found = scale.reshape(1) if scale is not None else torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        if m and k:
-            _quantize_rows_kernel[(m,)](rows, q, found, k, rows.stride(0), q.stride(0), STATIC=scale is not None,
-                                        BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=4)
-        return q.view(x.shape), (scale if scale is not None else found.view(*x.shape[:-1], 1))
-    groups = triton.cdiv(k, group_size)
-    found = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if group_size is not None:
+        found = _quantize_groups(rows, q, group_size)
+        return q.view(x.shape), found.view(*x.shape[:-1], found.shape[1])
+    if scale is not None:
+        _quantize_rows(rows, q, scale.reshape(1), static=True)
+        return q.view(x.shape), scale
+    found = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    _quantize_rows(rows, q, found, static=False)
+    return q.view(x.shape), found.view(*x.shape[:-1], 1)
+
+
+def _quantize_rows(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, static: bool) -> None:
+    (m, k), block = rows.shape, min(4096, triton.next_power_of_2(rows.shape[1]))
+    if m and k:
+        _quantize_rows_kernel[(m,)](rows, q, scale, k, rows.stride(0), q.stride(0), STATIC=static,
+                                    BLOCK=block, num_warps=4)
+
+
+def _quantize_groups(rows: torch.Tensor, q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The scales [M, ceil(K / g)], column-major."""
+    (m, k), groups = rows.shape, triton.cdiv(rows.shape[1], group_size)
+    found = torch.empty((groups, m), dtype=torch.float32, device=rows.device).t()
     group_pad = triton.next_power_of_2(group_size)
     block_g = max(1, min(triton.next_power_of_2(groups), 2048 // group_pad))
     if m and groups:
         _quantize_groups_kernel[(m, triton.cdiv(groups, block_g))](
             rows, q, found, k, group_size, rows.stride(0), q.stride(0), found.stride(0), found.stride(1),
             GROUP_PAD=group_pad, BLOCK_G=block_g, num_warps=4)
-    return q.view(x.shape), found.view(*x.shape[:-1], groups)
+    return found
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -177,8 +190,8 @@ def _store_tile(out_ptr, bias_ptr, acc, rows, cols, M, N, stride_om, HAS_BIAS: t
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -205,8 +218,8 @@ def _fp8_gemm_kernel(
         if BLOCK_SCALED:
             block = k0 // scale_cols
             a_scale = tl.load(a_scale_ptr + rows * stride_asm + block * stride_ask, mask=rows < M, other=0.0)
-            b_scale = tl.load(b_scale_ptr + (cols // scale_rows) * stride_bsn + block * stride_bsk, mask=cols < N,
-                              other=0.0)
+            b_scale = tl.load(b_scale_ptr + (cols // scale_rows) * stride_bsn + block * stride_bsk,
+                              mask=cols < N, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
         else:
             acc = tl.dot(a, tl.trans(b), acc)
@@ -240,7 +253,8 @@ def _weight_only_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_tile + k0, mask=(rows < M)[:, None] & (k0 + ks < K)[None, :], other=0.0)
         b0 = k0 * w_bytes // BLOCK_K  # the tile's first byte
-        w = tl.load(w_tile + b0, mask=(cols < N)[:, None] & (b0 + bs < K * w_bytes // BLOCK_K)[None, :], other=0)
+        w_mask = (cols < N)[:, None] & (b0 + bs < K * w_bytes // BLOCK_K)[None, :]
+        w = tl.load(w_tile + b0, mask=w_mask, other=0)
         if FORMAT == FP8:
             w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
             if BLOCK_SCALED:
@@ -280,14 +294,16 @@ def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
         raise ValueError("fp8_gemm: block-scaled weights take activations quantized per 1 x bk group; "
                          "input_scale must be None")
     rows = x.reshape(-1, k)
-    use_scaled_mm = backend == "scaled_mm" or (backend == "auto" and kind != "block" and _scaled_mm_fits(x, n, k))
+    auto_scaled_mm = backend == "auto" and kind != "block" and _scaled_mm_fits(x, n, k)
+    use_scaled_mm = backend == "scaled_mm" or auto_scaled_mm
     if not use_scaled_mm:
         launch = _gemm_launch(rows.shape[0], n, kind, block_size, launch)
     x_fp8, x_scale = fp8_quantize(rows, input_scale, int(block_size[1]) if kind == "block" else None)
     if use_scaled_mm:
         out = _scaled_mm(x_fp8, x_scale, weight_fp8, weight_scale, kind, bias, x.dtype)
     else:
-        out = _fp8_gemm_triton(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, x.dtype, launch)
+        out = _fp8_gemm_triton(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, x.dtype,
+                               launch)
     return out.view(*x.shape[:-1], n)
 
 
@@ -302,7 +318,8 @@ def _gemm_launch(m: int, n: int, kind: str, block_size, launch: GemmLaunch | Non
         raise ValueError(f"{what}: a scale block of {scale_cols} columns is not a multiple of 16")
     launch = launch or GemmLaunch.choose(m, n, block_k, block_scaled=True)
     if scale_cols % launch.block_k:
-        raise ValueError(f"{what}: block_k {launch.block_k} must divide the scale block's {scale_cols} columns")
+        raise ValueError(f"{what}: block_k {launch.block_k} must divide the scale block's {scale_cols} "
+                         f"columns")
     return launch
 
 
@@ -359,12 +376,13 @@ def nvfp4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemm")
     if launch is not None and (launch.block_k % 16 or launch.block_k < 32):
         raise ValueError(f"nvfp4_gemm: block_k must be a multiple of 16 of at least 32, got {launch.block_k}")
-    return _weight_only(x, weight_packed, 2 * weight_packed.shape[1], scales, WeightFormat.NVFP4, bias, launch,
-                        "nvfp4_gemm")
+    return _weight_only(x, weight_packed, 2 * weight_packed.shape[1], scales, WeightFormat.NVFP4, bias,
+                        launch, "nvfp4_gemm")
 
 
-def fp8_weight_only_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
-                         bias: torch.Tensor | None = None, *, launch: GemmLaunch | None = None) -> torch.Tensor:
+def fp8_weight_only_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+                         block_size=None, bias: torch.Tensor | None = None, *,
+                         launch: GemmLaunch | None = None) -> torch.Tensor:
     """What ``fp8_gemv`` computes (x unquantized times the dequantized FP8 weight), for any number of
     rows, on the tensor cores: each weight tile converted to x's dtype in registers (decode batches
     stream the weight once; x is not quantized, unlike ``fp8_gemm``)."""
@@ -372,8 +390,8 @@ def fp8_weight_only_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
     if scales.block_scaled:
         rows = x.numel() // max(x.shape[-1], 1)
         launch = _gemm_launch(rows, weight_fp8.shape[0], "block", block_size, launch, "fp8_weight_only_gemm")
-    return _weight_only(x, weight_fp8.view(torch.uint8), weight_fp8.shape[1], scales, WeightFormat.FP8, bias, launch,
-                        "fp8_weight_only_gemm")
+    return _weight_only(x, weight_fp8.view(torch.uint8), weight_fp8.shape[1], scales, WeightFormat.FP8, bias,
+                        launch, "fp8_weight_only_gemm")
 
 
 def _weight_only(x, weight, k: int, scales: ScaleLayout, fmt: WeightFormat, bias, launch: GemmLaunch | None,
@@ -391,8 +409,8 @@ def _weight_only(x, weight, k: int, scales: ScaleLayout, fmt: WeightFormat, bias
         _weight_only_gemm_kernel[grid](
             rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0), *scales.kernel_args(),
-            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None, BLOCK_M=launch.block_m,
-            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", E2M1_PTX=e2m1_ptx(x.device),
             num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.view(*x.shape[:-1], n)

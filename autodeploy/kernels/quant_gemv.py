@@ -70,27 +70,15 @@ def e2m1_to_fp16(code):
 # bytes spread to the 16-bit halves of two words (prmt), then per half the low nibble's magnitude
 # shifted to bits 11-9 and its sign to bit 15 (shl; and; lop3 0xE4 = c ? a : b), likewise the high
 # nibble's. Out: low nibbles of bytes 0-1, 2-3, then high nibbles of bytes 0-1, 2-3 (fp16 pairs).
-E2M1_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, a, b;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 a, t0, 9;
-shl.b32 b, t0, 12;
-and.b32 b, b, 0x80008000;
-lop3.b32 $0, a, b, 0x0E000E00, 0xE4;
-shl.b32 a, t1, 9;
-shl.b32 b, t1, 12;
-and.b32 b, b, 0x80008000;
-lop3.b32 $1, a, b, 0x0E000E00, 0xE4;
-shl.b32 a, t0, 5;
-shl.b32 b, t0, 8;
-and.b32 b, b, 0x80008000;
-lop3.b32 $2, a, b, 0x0E000E00, 0xE4;
-shl.b32 a, t1, 5;
-shl.b32 b, t1, 8;
-and.b32 b, b, 0x80008000;
-lop3.b32 $3, a, b, 0x0E000E00, 0xE4;
-}""")
+def _e2m1_asm() -> str:
+    lines = ["{", ".reg .b32 t0, t1, a, b;", "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for out, (word, magnitude, sign) in enumerate([("t0", 9, 12), ("t1", 9, 12), ("t0", 5, 8), ("t1", 5, 8)]):
+        lines += [f"shl.b32 a, {word}, {magnitude};", f"shl.b32 b, {word}, {sign};",
+                  "and.b32 b, b, 0x80008000;", f"lop3.b32 ${out}, a, b, 0x0E000E00, 0xE4;"]
+    return "\n".join(lines + ["}"])
+
+
+E2M1_ASM = tl.constexpr(_e2m1_asm())
 
 
 @triton.jit
@@ -98,8 +86,8 @@ def e2m1_pairs_to_fp16(packed, ROWS: tl.constexpr, BYTES: tl.constexpr, ASM: tl.
     """A [ROWS, BYTES] tile of packed bytes as [ROWS, 2 * BYTES] fp16 elements in order (low nibble
     first), times 2**-14 (``e2m1_to_fp16``); ``ASM``: four bytes per PTX sequence (``E2M1_ASM``)."""
     if ASM:
-        low, high = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
-                                              is_pure=True, pack=4)
+        low, high = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         low, high = e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4)
     return tl.reshape(tl.join(low, high), [ROWS, 2 * BYTES])
@@ -115,9 +103,10 @@ def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.const
 
 
 @triton.jit
-def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn, stride_sk,
-                   block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, E2M1_PTX: tl.constexpr):
+def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn,
+                   stride_sk, block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                   E2M1_PTX: tl.constexpr):
     """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
     as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
     bs = b0 + tl.arange(0, BLOCK_B)
@@ -151,8 +140,8 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
 @triton.jit(do_not_specialize=["M"])
 def _quant_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, row_bytes, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows, scale_cols,
-    out_factor,
+    M, N, K, row_bytes, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows,
+    scale_cols, out_factor,
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
@@ -167,16 +156,17 @@ def _quant_gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     # the next tile's bytes are loaded before the current tile's products: a tile in flight while
     # the program computes (the first one before the wait: no kernel of the step writes weights)
+    first_mask = col_ok[:, None] & (lanes < row_bytes)[None, :]
     w_next = tl.zeros([BLOCK_N, BLOCK_B], dtype=w_ptr.dtype.element_ty)
     if PRELOAD:
-        w_next = tl.load(w_rows + lanes[None, :], mask=col_ok[:, None] & (lanes < row_bytes)[None, :], other=0)
+        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
     if TRIGGER == START:
         pdl.allow_dependents(PDL)
     pdl.wait(PDL)
     if TRIGGER == AFTER_WAIT:
         pdl.allow_dependents(PDL)
     if not PRELOAD:
-        w_next = tl.load(w_rows + lanes[None, :], mask=col_ok[:, None] & (lanes < row_bytes)[None, :], other=0)
+        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
     lanes_acc: tl.constexpr = BLOCK_B if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
     acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
     for b0 in range(0, row_bytes, BLOCK_B):
@@ -184,8 +174,8 @@ def _quant_gemv_kernel(
         bs = b0 + BLOCK_B + lanes  # past the row on the last iteration: masked, nothing read
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
         acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
-                             stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M, BLOCK_N,
-                             BLOCK_B, E2M1_PTX)
+                             stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M,
+                             BLOCK_N, BLOCK_B, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
@@ -243,16 +233,16 @@ class ScaleLayout:
         kind = ref.fp8_scale_kind(weight, weight_scale, block_size, what)
         n, k = weight.shape
         if kind == "block":
-            return cls(weight_scale, weight_scale, *weight_scale.stride(), 0, int(block_size[0]), int(block_size[1]),
-                       1.0, True)
+            return cls(weight_scale, weight_scale, *weight_scale.stride(), 0, int(block_size[0]),
+                       int(block_size[1]), 1.0, True)
         flat = weight_scale.reshape(-1)
         return cls(flat, flat, 0, 0, flat.stride(0) if kind == "channel" else 0, n, k, 1.0, False)
 
     @classmethod
     def nvfp4(cls, weight_packed, weight_scale, weight_scale_2, what: str) -> "ScaleLayout":
         n, _ = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, what)
-        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0, n,
-                   ref.NVFP4_GROUP, E2M1_UNIT, False)
+        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0,
+                   n, ref.NVFP4_GROUP, E2M1_UNIT, False)
 
     def kernel_args(self) -> tuple:
         """The kernels' ``stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor``."""
@@ -272,7 +262,8 @@ def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
     if scales.block_scaled and scales.rows % launch.block_n:
-        raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's {scales.rows} rows")
+        raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
+                         f"{scales.rows} rows")
     return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch)
 
 
@@ -290,7 +281,8 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 
 def e2m1_ptx(device: torch.device) -> bool:
-    """Whether kernels decode e2m1 with ``E2M1_ASM`` (compiled for a GPU) or in plain Triton (the interpreter)."""
+    """Whether kernels decode e2m1 with ``E2M1_ASM`` (compiled for a GPU) or in plain Triton (the
+    interpreter)."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -311,7 +303,8 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_b
     if m and n:
         _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
             rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
-            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0), *scales.kernel_args(),
+            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0),
+            *scales.kernel_args(),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
             TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device),

@@ -48,7 +48,8 @@ def check_bias(bias: torch.Tensor | None, n: int, what: str) -> None:
         raise ValueError(f"{what}: bias has shape {tuple(bias.shape)}, expected ({n},)")
 
 
-def fp8_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=None, what: str = "fp8") -> str:
+def fp8_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
+                   what: str = "fp8") -> str:
     """``"tensor"``, ``"channel"`` or ``"block"``: the kind of ``weight_scale``, or a ValueError."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"{what}: the weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} "
@@ -60,8 +61,8 @@ def fp8_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=
         bn, bk = _block_size(block_size, what)
         want = (-(-n // bn), -(-k // bk))
         if tuple(weight_scale.shape) != want:
-            raise ValueError(f"{what}: a weight of shape ({n}, {k}) in blocks of {(bn, bk)} needs a weight_scale "
-                             f"of shape {want}, got {tuple(weight_scale.shape)}")
+            raise ValueError(f"{what}: a weight of shape ({n}, {k}) in blocks of {(bn, bk)} needs a "
+                             f"weight_scale of shape {want}, got {tuple(weight_scale.shape)}")
         return "block"
     if weight_scale.numel() == 1:
         return "tensor"
@@ -73,7 +74,8 @@ def fp8_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=
 
 def _block_size(block_size, what: str) -> tuple[int, int]:
     if len(block_size) != 2 or any(int(b) != b or b < 1 for b in block_size):
-        raise ValueError(f"{what}: block_size must be two positive integers (rows, columns), got {block_size}")
+        raise ValueError(f"{what}: block_size must be two positive integers (rows, columns), "
+                         f"got {block_size}")
     return int(block_size[0]), int(block_size[1])
 
 
@@ -89,8 +91,8 @@ def check_nvfp4(weight_packed, weight_scale, weight_scale_2, what: str = "nvfp4"
         raise ValueError(f"{what}: weight_scale must be float8_e4m3fn of shape {(n, k // NVFP4_GROUP)}, got "
                          f"{weight_scale.dtype} of shape {tuple(weight_scale.shape)}")
     if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
-        raise ValueError(f"{what}: weight_scale_2 must be one float32 value, got {weight_scale_2.dtype} of shape "
-                         f"{tuple(weight_scale_2.shape)}")
+        raise ValueError(f"{what}: weight_scale_2 must be one float32 value, got {weight_scale_2.dtype} "
+                         f"of shape {tuple(weight_scale_2.shape)}")
     return n, k
 
 
@@ -149,7 +151,8 @@ def fp8_weight_only_reference(x, weight, weight_scale, block_size=None, bias=Non
     return _linear(x.float(), dequantize_fp8(weight, weight_scale, block_size), bias, x.dtype)
 
 
-def fp8_linear_reference(x, weight, weight_scale, input_scale=None, block_size=None, bias=None) -> torch.Tensor:
+def fp8_linear_reference(x, weight, weight_scale, input_scale=None, block_size=None,
+                         bias=None) -> torch.Tensor:
     """What ``fp8_gemm`` computes: x quantized (static per tensor with ``input_scale``, per 1 x bk group
     with ``block_size``, else dynamic per token), times the dequantized weight, in fp32."""
     group = _block_size(block_size, "fp8")[1] if block_size is not None else None

@@ -22,7 +22,8 @@ def test_cases_run_the_gemvs_at_one_row_and_only_the_gemms_at_8192():
     assert "fp8_gemm triton rowwise" not in names("qkv", 1) and "fp8_gemm triton rowwise" in names("qkv", 8)
     assert not any("gemv" in n.lower() for n in names("down", 8) + names("down", 8192))
     assert names("down", 8192) == [i.name for i in impls if i.max_rows is None]
-    assert [s for s, _, _ in found][:1] == ["qkv"] and [s for s, _, _ in found][-1] == "down"  # shape by shape
+    shapes = [s for s, _, _ in found]
+    assert shapes[0] == "qkv" and shapes[-1] == "down" and shapes == sorted(shapes, key=["qkv", "down"].index)
     everything = list(qk.cases(list(qk.SHAPES), [1, 8, 64, 512], [8192], impls))
     assert len(everything) == 5 * (12 + 3 * 9 + 7)  # 12 at one row, 9 up to 512 rows, the 7 GEMMs at 8192
 
@@ -36,7 +37,8 @@ def _result(shape, impl, us, rows=1, err=1e-3, note=""):
 def test_decode_summary_adds_32_layers_and_the_bf16_lm_head():
     results = [_result(s, impl, 10.0) for s in qk.SHAPES for impl in ("bf16 GEMV", "fp8_gemv channel")]
     lines = qk.decode_summary(results, copy_bytes_per_s=1e12)
-    assert [line.split(",")[2].strip()[:8] for line in lines] == ["bf16    ", "fp8 gemv"]  # the others: no rows
+    labels = [line.split(",")[2].strip()[:8] for line in lines]
+    assert labels == ["bf16    ", "fp8 gemv"]  # no line for the formats without rows
     layer_bytes = sum(n * k for name, (n, k) in qk.SHAPES.items() if name != "lm_head")
     head_bytes = 2 * 128256 * 4096
     fp8 = lines[1]
@@ -85,7 +87,7 @@ def test_weight_formats_quantize_what_they_are_given():
         deq = makers[fmt][1](made)
         assert deq.shape == w.shape and ((deq - w).norm() / w.norm()) < 0.05, fmt
     nvfp4 = makers["nvfp4"][0](w)
-    assert ref.check_nvfp4(nvfp4["packed"], nvfp4["scale"], nvfp4["scale_2"]) == (256, 384)
+    assert ref.check_nvfp4(**nvfp4) == (256, 384)
     assert qk.weight_bytes(nvfp4) == 256 * 192 + 256 * 24 + 4
 
 
@@ -96,12 +98,12 @@ def test_every_default_launch_compiles_for_hopper_without_spills():
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(Path(qk.__file__)), "--compile-sm90"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = subprocess.run([sys.executable, str(Path(qk.__file__)), "--compile-sm90"], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {line.split("  ")[0].strip(): line for line in run.stdout.splitlines()}
     assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4 weight-only 4096 rows"]
-    assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]  # 16-byte weight loads
+    assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]  # 16-byte loads
 
 
 def test_launch_sweep_runs_every_config_of_the_weight_only_kernels(monkeypatch):
@@ -122,3 +124,15 @@ def test_launch_sweep_runs_every_config_of_the_weight_only_kernels(monkeypatch):
     found = qk.launch_sweep("o", qk.implementations(), weights=None)
     assert len(found) == 2 * len(qk.GEMV_SWEEP) + 2 * len(qk.TC_SWEEP)
     assert "fp8_gemv channel 4/1024/4" in seen and "nvfp4_gemm 32/256/3" in seen
+
+
+def test_every_implementation_computes_its_reference_on_small_weights():
+    """The bench's calls and references agree (CPU, the interpreter; torch._scaled_mm is CUDA-only)."""
+    makers = qk.formats()
+    for impl in qk.implementations():
+        if "scaled_mm" in impl.name:
+            continue
+        t = makers[impl.fmt][0](torch.randn(128, 256) * 0.02)
+        x = torch.randn(2, 256)
+        want = impl.reference(x, t, lambda: makers[impl.fmt][1](t))
+        assert ((impl.call(x, t).float() - want).norm() / want.norm()) < 1e-5, impl.name

@@ -12,7 +12,7 @@ import torch
 from autodeploy.kernels import quant_reference as ref
 from autodeploy.kernels.quant_gemm import GemmLaunch, fp8_gemm, fp8_quantize, fp8_weight_only_gemm, nvfp4_gemm
 
-from test_quant_gemv import DTYPES, bound, fp8_scale, fp8_weight, nvfp4_weight, rel_err
+from test_quant_gemv import DTYPES, check_with_and_without_bias, fp8_scale, fp8_weight, nvfp4_weight, rel_err
 
 SMALL = GemmLaunch(block_m=16, block_n=16, block_k=32, num_stages=1, group_m=2)
 
@@ -68,8 +68,8 @@ def test_quantizer_refuses_bad_inputs(bad, message):
         fp8_quantize(**args)
 
 
-@pytest.mark.parametrize("kind,static", [("tensor", True), ("tensor", False), ("channel", True), ("channel", False),
-                                         ("block", False)])
+@pytest.mark.parametrize("kind,static", [("tensor", True), ("tensor", False), ("channel", True),
+                                         ("channel", False), ("block", False)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_gemm_matches_the_reference(kind, static, dtype):
     m, n, k = 20, 40, 80  # ragged in every dimension; blocks of 16 x 32: the last ones partial
@@ -77,11 +77,9 @@ def test_fp8_gemm_matches_the_reference(kind, static, dtype):
     scale, block = fp8_scale(kind, n, k)
     x = torch.randn(m, k).to(dtype)
     input_scale = torch.tensor(0.02) if static else None
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        got = fp8_gemm(x, weight, scale, input_scale, block, b, launch=SMALL)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert rel_err(got, ref.fp8_linear_reference(x, weight, scale, input_scale, block, b)) < bound(dtype)
+    check_with_and_without_bias(lambda b: fp8_gemm(x, weight, scale, input_scale, block, b, launch=SMALL),
+                                lambda b: ref.fp8_linear_reference(x, weight, scale, input_scale, block, b),
+                                x, n)
 
 
 def test_fp8_gemm_takes_leading_dimensions_and_no_rows():
@@ -101,7 +99,8 @@ def test_fp8_gemm_takes_leading_dimensions_and_no_rows():
     (dict(bias=torch.randn(3)), r"expected \(24,\)"),
 ])
 def test_fp8_gemm_refuses_bad_inputs(bad, message):
-    args = dict(input_scale=None, block=(16, 32), scale=torch.ones(2, 2), backend="auto", launch=None, bias=None)
+    args = dict(input_scale=None, block=(16, 32), scale=torch.ones(2, 2), backend="auto", launch=None,
+                bias=None)
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         fp8_gemm(torch.randn(4, 64), fp8_weight(24, 64), args["scale"], args["input_scale"], args["block"],
@@ -115,11 +114,8 @@ def test_fp8_weight_only_gemm_matches_the_gemvs_reference(kind, dtype):
     weight = fp8_weight(n, k)
     scale, block = fp8_scale(kind, n, k)
     x = torch.randn(m, k).to(dtype)
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        got = fp8_weight_only_gemm(x, weight, scale, block, b, launch=SMALL)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert rel_err(got, ref.fp8_weight_only_reference(x, weight, scale, block, b)) < bound(dtype)
+    check_with_and_without_bias(lambda b: fp8_weight_only_gemm(x, weight, scale, block, b, launch=SMALL),
+                                lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
 
 
 def test_fp8_weight_only_gemm_refuses_what_the_gemv_refuses():
@@ -136,11 +132,8 @@ def test_nvfp4_gemm_matches_the_reference(dtype, m):
     n, k = 40, 80  # K = 2.5 tiles of 32
     packed, scale, scale_2 = nvfp4_weight(n, k)
     x = torch.randn(m, k).to(dtype)
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        got = nvfp4_gemm(x, packed, scale, scale_2, b, launch=SMALL)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, b)) < bound(dtype)
+    check_with_and_without_bias(lambda b: nvfp4_gemm(x, packed, scale, scale_2, b, launch=SMALL),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
 
 
 def test_nvfp4_gemm_dequantizes_every_byte_exactly():

@@ -27,6 +27,15 @@ def bound(dtype):
     return 1e-5 if dtype == torch.float32 else 3e-3
 
 
+def check_with_and_without_bias(run, reference, x, n):
+    """``run(bias)`` against ``reference(bias)`` without a bias and with one: shape, dtype, error."""
+    bias = torch.randn(n).to(x.dtype)
+    for b in (None, bias):
+        got = run(b)
+        assert got.shape == (*x.shape[:-1], n) and got.dtype == x.dtype
+        assert rel_err(got, reference(b)) < bound(x.dtype)
+
+
 def fp8_weight(n, k):
     return (torch.randn(n, k) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
 
@@ -56,7 +65,8 @@ def test_every_e4m3_code_dequantizes_exactly():
         torch.testing.assert_close(got, ref.dequantize_fp8(weight, scale).t(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind,launch", [("tensor", SMALL), ("channel", SMALL), ("block", SMALL), ("block", UNLOADED)],
+@pytest.mark.parametrize("kind,launch",
+                         [("tensor", SMALL), ("channel", SMALL), ("block", SMALL), ("block", UNLOADED)],
                          ids=["tensor", "channel", "block", "block-no-preload"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])  # 3: rows padded to 4
@@ -65,11 +75,8 @@ def test_fp8_gemv_matches_the_reference(kind, dtype, m, launch):
     weight = fp8_weight(n, k)
     scale, block = fp8_scale(kind, n, k)
     x = torch.randn(m, k).to(dtype)
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        got = fp8_gemv(x, weight, scale, block, b, launch=launch)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert rel_err(got, ref.fp8_weight_only_reference(x, weight, scale, block, b)) < bound(dtype)
+    check_with_and_without_bias(lambda b: fp8_gemv(x, weight, scale, block, b, launch=launch),
+                                lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
 
 
 @LAUNCHES
@@ -79,11 +86,8 @@ def test_nvfp4_gemv_matches_the_reference(dtype, m, launch):
     n, k = 40, 112  # 56 bytes per row: one whole tile of 32 and a ragged one
     packed, scale, scale_2 = nvfp4_weight(n, k)
     x = torch.randn(m, k).to(dtype)
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        got = nvfp4_gemv(x, packed, scale, scale_2, b, launch=launch)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, b)) < bound(dtype)
+    check_with_and_without_bias(lambda b: nvfp4_gemv(x, packed, scale, scale_2, b, launch=launch),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
 
 
 def test_nvfp4_packing_is_low_nibble_first():
@@ -151,7 +155,8 @@ BAD_FP8 = [
 
 @pytest.mark.parametrize("bad,message", BAD_FP8)
 def test_fp8_gemv_refuses_bad_inputs(bad, message):
-    args = dict(x=torch.randn(1, 32), weight=fp8_weight(8, 32), scale=torch.tensor(1.0), block=None, bias=None)
+    args = dict(x=torch.randn(1, 32), weight=fp8_weight(8, 32), scale=torch.tensor(1.0), block=None,
+                bias=None)
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         fp8_gemv(args["x"], args["weight"], args["scale"], args["block"], args["bias"])
@@ -207,7 +212,9 @@ def test_the_gpu_e2m1_decode_emulated_matches_the_e2m1_table():
     32-bit word: low nibbles of bytes 0-3 in $0-$1, high nibbles in $2-$3, fp16 times 2**-14."""
     from autodeploy.kernels.quant_gemv import E2M1_ASM
 
-    fp16 = lambda bits: torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).double()  # noqa
+    def fp16(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+
     for byte in range(256):
         word_bytes = [byte, (byte * 7 + 3) & 255, (byte * 13 + 5) & 255, 255 - byte]
         out = _run_ptx(E2M1_ASM.value, sum(b << 8 * i for i, b in enumerate(word_bytes)))

@@ -41,12 +41,14 @@ def test_fp8_gemv(n, k, kind, m):
 
 @pytest.mark.parametrize("m", [1, 4])
 def test_nvfp4_gemv(m):
-    packed, scale, scale_2, x = cuda(*nvfp4_weight(4096 + 48, 4096), torch.randn(m, 4096, dtype=torch.bfloat16))
+    packed, scale, scale_2, x = cuda(*nvfp4_weight(4096 + 48, 4096),
+                                     torch.randn(m, 4096, dtype=torch.bfloat16))
     got = nvfp4_gemv(x, packed, scale, scale_2)
     assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < BF16
 
 
-@pytest.mark.parametrize("kwargs", [{"scale": 0.05}, {}, {"group_size": 128}], ids=["static", "token", "group"])
+@pytest.mark.parametrize("kwargs", [{"scale": 0.05}, {}, {"group_size": 128}],
+                         ids=["static", "token", "group"])
 def test_fp8_quantize_is_bit_exact(kwargs):
     x = (torch.randn(300, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")).bfloat16()
     kwargs = {k: torch.tensor(v, device="cuda") if k == "scale" else v for k, v in kwargs.items()}
@@ -83,7 +85,8 @@ def test_fp8_gemm_block_scaled(backend, m):
 
 @pytest.mark.parametrize("m", [1, 64, 300])
 def test_nvfp4_gemm(m):
-    packed, scale, scale_2, x, bias = cuda(*nvfp4_weight(4096 + 48, 4096), torch.randn(m, 4096, dtype=torch.bfloat16),
+    packed, scale, scale_2, x, bias = cuda(*nvfp4_weight(4096 + 48, 4096),
+                                           torch.randn(m, 4096, dtype=torch.bfloat16),
                                            torch.randn(4096 + 48, dtype=torch.bfloat16))
     got = nvfp4_gemm(x, packed, scale, scale_2, bias)
     assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, bias)) < BF16
