@@ -59,7 +59,7 @@ class Impl:
     reference (x, weights, a function returning the fp32 dequantized weight)."""
 
     name: str
-    fmt: str  # a key of FORMATS
+    fmt: str  # a key of formats()
     call: Callable = field(compare=False)
     reference: Callable = field(compare=False)
     max_rows: int | None = None  # the GEMVs: at most 4; the weight-only FP8 GEMMs (decode batches): 512

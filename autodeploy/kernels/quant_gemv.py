@@ -277,6 +277,8 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     n, row_bytes = weight_packed.shape
     rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
     launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
+        raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
     return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
 
 

@@ -169,16 +169,17 @@ BAD_NVFP4 = [
     (dict(scale=torch.ones(8, 1).to(torch.float8_e4m3fn)), r"of shape \(8, 2\)"),
     (dict(scale_2=torch.ones(2)), "one float32 value"),
     (dict(x=torch.randn(1, 16)), "expects 32 input features"),
+    (dict(launch=QuantGemvLaunch(4, 8)), "block_b must be at least 16 bytes"),
 ]
 
 
 @pytest.mark.parametrize("bad,message", BAD_NVFP4)
 def test_nvfp4_gemv_refuses_bad_inputs(bad, message):
     packed, scale, scale_2 = nvfp4_weight(8, 32)
-    args = dict(x=torch.randn(1, 32), packed=packed, scale=scale, scale_2=scale_2)
+    args = dict(x=torch.randn(1, 32), packed=packed, scale=scale, scale_2=scale_2, launch=None)
     args.update(bad)
     with pytest.raises(ValueError, match=message):
-        nvfp4_gemv(args["x"], args["packed"], args["scale"], args["scale_2"])
+        nvfp4_gemv(args["x"], args["packed"], args["scale"], args["scale_2"], launch=args["launch"])
 
 
 def _run_ptx(text: str, word: int) -> list[int]:
