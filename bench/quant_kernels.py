@@ -1,5 +1,6 @@
 """The quantized-linear kernels on one GPU: each checked against its reference, then timed at the
-Llama-3.1-8B linear shapes, next to bf16 and the copy bandwidth measured in the same run.
+Llama-3.1-8B linear shapes, next to bf16 and the copy bandwidth measured in the same run. Runs alone
+(``main``) or as the ``quant_kernels`` section of ``full_table.py`` (``add_options``, ``table_rows``).
 
 Shapes (N x K): qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336, lm_head
 128256 x 4096; rows M = 1, 8, 64, 512 (``--rows``) and 8192 for the GEMMs (``--gemm-rows``). Each
@@ -76,6 +77,7 @@ class Result:
     k: int
     rows: int
     impl: str
+    fmt: str = "bf16"
     us: float | None = None
     err: float | None = None
     weight_bytes: float = 0.0
@@ -128,21 +130,25 @@ DECODE_STEPS = {  # the batch-1 linears of one 8B decode step: (layer impl, LM h
 }
 
 
-def decode_summary(results: list[Result], copy_bytes_per_s: float) -> list[str]:
-    """One line per format whose batch-1 rows were all measured: the step's linears in ms, the
-    floor (their weight bytes at the copy bandwidth) and the share of it reached."""
+def decode_steps(results: list[Result], copy_bytes_per_s: float) -> list[tuple[str, float, float]]:
+    """(label, seconds, floor seconds) per format whose batch-1 rows were all measured: the step's
+    linears, and their weight bytes at the copy bandwidth."""
     one = {(r.shape, r.impl): r for r in results if r.rows == 1 and r.us}
-    lines = []
+    steps = []
     for label, (layer_impl, head_impl) in DECODE_STEPS.items():
         parts = [(one.get((s, layer_impl)), LAYERS) for s in ("qkv", "o", "gate_up", "down")]
         parts.append((one.get(("lm_head", head_impl)), 1))
-        if any(r is None for r, _ in parts):
-            continue
-        ms = sum(r.us * count for r, count in parts) / 1e3
-        floor = sum(r.weight_bytes * count for r, count in parts) / copy_bytes_per_s * 1e3
-        lines.append(f"8B decode linears, batch 1, {label:<15}{ms:7.3f} ms   floor {floor:.3f} ms   "
-                     f"{100 * floor / ms:.0f}% of it")
-    return lines
+        if all(r is not None for r, _ in parts):
+            seconds = sum(r.us * count for r, count in parts) / 1e6
+            floor = sum(r.weight_bytes * count for r, count in parts) / copy_bytes_per_s
+            steps.append((label, seconds, floor))
+    return steps
+
+
+def decode_summary(results: list[Result], copy_bytes_per_s: float) -> list[str]:
+    return [f"8B decode linears, batch 1, {label:<15}{seconds * 1e3:7.3f} ms   floor {floor * 1e3:.3f} ms   "
+            f"{100 * floor / seconds:.0f}% of it"
+            for label, seconds, floor in decode_steps(results, copy_bytes_per_s)]
 
 
 # ----------------------------------------------------------------------------- GPU side
@@ -258,7 +264,8 @@ def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None,
     call = call or impl.call
     sets = weights.of(impl.fmt)
     x = torch.randn(m, weights.k, device="cuda", dtype=torch.bfloat16)
-    result = Result(shape, weights.n, weights.k, m, name or impl.name, weight_bytes=weight_bytes(sets[0]))
+    result = Result(shape, weights.n, weights.k, m, name or impl.name, impl.fmt,
+                    weight_bytes=weight_bytes(sets[0]))
     try:
         out = call(x, sets[0])
     except (RuntimeError, ValueError) as exc:  # e.g. a torch without blockwise scaling on this GPU
@@ -311,6 +318,41 @@ def measure_all(args, impls: list[Impl]) -> list[Result]:
         del weights
         torch.cuda.empty_cache()
     return results
+
+
+# ----------------------------------------------------------------------------- a section of full_table.py
+
+WEIGHT_LABELS = {"bf16": "bf16", "fp8_tensor": "fp8-t", "fp8_channel": "fp8-ch", "fp8_block": "fp8-blk",
+                 "nvfp4": "nvfp4"}
+
+
+def add_options(group) -> None:
+    """This benchmark's options as a section of ``full_table.py`` (``--sections quant_kernels``)."""
+    group.add_argument("--quant-shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    group.add_argument("--quant-rows", type=_ints, default=[1, 8, 64, 512])
+    group.add_argument("--quant-gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
+    group.add_argument("--quant-sweep", action="store_true", help="also the batch-1 launch configs")
+
+
+def table_rows(args, header):
+    """The suite's rows (``table.TableRow``): each measurement against the longer of its weight bytes
+    at the copy bandwidth and its FLOPs at the bf16 GEMM rate (the header's), then the batch-1 decode
+    steps' linears per format against their weight stream."""
+    from table import TableRow
+
+    options = argparse.Namespace(shapes=_shapes(args.quant_shapes, argparse.ArgumentParser().error),
+                                 rows=args.quant_rows, gemm_rows=args.quant_gemm_rows, sweep=args.quant_sweep)
+    results = measure_all(options, implementations())
+    for r in results:
+        floor = max(r.weight_bytes / header.bandwidth, 2 * r.rows * r.n * r.k / header.gemm_flops)
+        notes = [f"rel err {r.err:.1e}" if r.err is not None else "", f"{r.gbps:.0f} GB/s" if r.us else "",
+                 r.note]
+        yield TableRow("quant_kernels", f"{r.shape} {r.n}x{r.k} M={r.rows}", r.impl, r.us and r.us * 1e-6,
+                       floor_s=floor if r.us else None, note="; ".join(n for n in notes if n),
+                       weights=WEIGHT_LABELS[r.fmt], passed=None if r.err is None else r.ok)
+    for label, seconds, floor in decode_steps(results, header.bandwidth):
+        yield TableRow("quant_kernels", "llama8b linears, batch 1", label, seconds, floor_s=floor,
+                       note="32 layers x qkv, o, gate_up, down + the bf16 LM head")
 
 
 # ----------------------------------------------------------------------------- sm_90 compile check
@@ -396,11 +438,16 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-sm90", action="store_true",
                         help="only compile the kernels for sm_90 (no GPU needed)")
     args = parser.parse_args(argv)
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown:
-        parser.error(f"unknown --shapes {unknown}; known: {list(SHAPES)}")
+    args.shapes = _shapes(args.shapes, parser.error)
     return args
+
+
+def _shapes(text: str, error) -> list[str]:
+    shapes = [s for s in text.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        error(f"unknown --shapes {unknown}; known: {list(SHAPES)}")
+    return shapes
 
 
 def copy_bandwidth() -> float:

@@ -30,8 +30,9 @@ def test_cases_run_the_gemvs_at_one_row_and_only_the_gemms_at_8192():
 
 def _result(shape, impl, us, rows=1, err=1e-3, note=""):
     n, k = qk.SHAPES[shape]
-    fmt = {"bf16 GEMV": 2.0, "fp8_gemv channel": 1.0, "nvfp4_gemv": 0.5625}[impl]
-    return qk.Result(shape, n, k, rows, impl, us=us, err=err, weight_bytes=fmt * n * k, note=note)
+    fmt, per_weight = {"bf16 GEMV": ("bf16", 2.0), "fp8_gemv channel": ("fp8_channel", 1.0),
+                       "nvfp4_gemv": ("nvfp4", 0.5625)}[impl]
+    return qk.Result(shape, n, k, rows, impl, fmt, us=us, err=err, weight_bytes=per_weight * n * k, note=note)
 
 
 def test_decode_summary_adds_32_layers_and_the_bf16_lm_head():
@@ -136,3 +137,42 @@ def test_every_implementation_computes_its_reference_on_small_weights():
         x = torch.randn(2, 256)
         want = impl.reference(x, t, lambda: makers[impl.fmt][1](t))
         assert ((impl.call(x, t).float() - want).norm() / want.norm()) < 1e-5, impl.name
+
+
+def test_as_a_section_of_full_table_it_yields_the_suites_rows(monkeypatch):
+    """``table_rows`` with the suite's header and row type (``bench/table.py`` on main: stood in for here)."""
+    import argparse
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class TableRow:  # the fields bench/table.py's TableRow has
+        section: str
+        workload: str
+        impl: str
+        seconds: float | None
+        tokens_per_s: float | None = None
+        floor_s: float | None = None
+        note: str = ""
+        weights: str = "bf16"
+        passed: bool | None = None
+        metrics: dict = dataclasses.field(default_factory=dict)
+
+    monkeypatch.setitem(sys.modules, "table", types.SimpleNamespace(TableRow=TableRow))
+    found = [_result(s, impl, 10.0) for s in qk.SHAPES for impl in ("bf16 GEMV", "fp8_gemv channel")]
+    found[1] = qk.Result("o", 4096, 4096, 1, "fp8_gemv channel", "fp8_channel", us=None, note="unsupported: x")
+    monkeypatch.setattr(qk, "measure_all", lambda options, impls: found)
+    group = argparse.ArgumentParser()
+    qk.add_options(group)
+    args = group.parse_args(["--quant-shapes", "o,qkv"])
+    header = types.SimpleNamespace(bandwidth=2e12, gemm_flops=1e15)
+    rows = list(qk.table_rows(args, header))
+    assert len(rows) == len(found) + 1  # the bf16 decode step; fp8's lacks the o projection
+    first = rows[0]
+    assert (first.section, first.workload, first.impl) == ("quant_kernels", "qkv 6144x4096 M=1", "bf16 GEMV")
+    assert first.seconds == pytest.approx(10e-6) and first.floor_s == pytest.approx(2 * 6144 * 4096 / 2e12)
+    assert first.passed is True and "rel err 1.0e-03" in first.note
+    assert rows[1].seconds is None and rows[1].note == "unsupported: x" and rows[1].weights == "fp8-ch"
+    assert rows[-1].workload == "llama8b linears, batch 1" and rows[-1].impl == "bf16"
+    with pytest.raises(SystemExit):
+        qk.table_rows(group.parse_args(["--quant-shapes", "mlp"]), header).__next__()
