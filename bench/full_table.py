@@ -18,6 +18,8 @@ its options in ``add_options(group)``; a new section is one more entry):
   engine's decode step at the same batch (``serving_bench.py``);
 - coldstart: process start to the first token, fresh process, autodeploy and the HF peers (``cold_start.py``);
 - kernels: every Triton kernel checked against its torch reference and timed (``kernels_gpu.py``);
+- quant_kernels: the FP8/NVFP4 linear kernels at the 8B shapes against bf16 and the copy bandwidth
+  (``quant_kernels.py``);
 - correctness: the canary on CUDA, async == sync engine, 64-step greedy equality of the 8B shape
   (``correctness.py``).
 
@@ -43,6 +45,7 @@ SECTIONS = {  # name -> module of this folder; the order of a full run
     "serving": "serving_bench",
     "coldstart": "cold_start",
     "kernels": "kernels_gpu",
+    "quant_kernels": "quant_kernels",
     "correctness": "correctness",
 }
 

@@ -1,0 +1,416 @@
+"""Linear layers of any number of rows on FP8 or NVFP4 weights, and the FP8 activation quantizer.
+
+- ``fp8_quantize``: x -> (e4m3 x, scale), static per tensor, dynamic per token or per 1 x g group.
+  Values are rounded to the e4m3 grid in fp32 (``round_to_e4m3``) before the cast, so the cast is
+  exact: the same bytes as torch's ``.to(float8_e4m3fn)`` on the GPU and in Triton's interpreter
+  (whose own fp32 -> fp8 rounding carries into the exponent wrongly), and divisions are IEEE
+  (``div_rn``; Triton's ``/`` is an approximate division).
+- ``fp8_gemm``: activations quantized (static with ``input_scale``, else dynamic per token), then a
+  per-tensor / per-channel FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt per tensor; rowwise scales
+  on sm_89+) where it takes the shapes, a Triton tensor-core GEMM otherwise; block-scaled weights
+  (``block_size=(bn, bk)``, DeepSeek-V3 / Qwen3) with activations per 1 x bk group through the
+  Triton GEMM, which applies each K block's scales to that block's partial product (torch 2.9+ has
+  blockwise ``_scaled_mm`` on sm_90 with cuBLAS 12.9; ``backend="scaled_mm"`` uses it where it fits,
+  the benchmark compares both).
+- ``nvfp4_gemm`` and ``fp8_weight_only_gemm``: weight-only, x stays in bf16/fp16; each weight tile
+  is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``quant_gemv.nvfp4_block_dequantize``,
+  exact in fp16 and bf16) and multiplied on the tensor cores, one kernel for both
+  (``_weight_only_gemm_kernel``, scales as ``quant_gemv.ScaleLayout`` describes them). At 16 rows this
+  is the tensor-core alternative to the CUDA-core GEMVs of ``quant_gemv.py`` (the benchmark runs both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quant_reference as ref
+from .quant_gemv import FP8, ScaleLayout, WeightFormat, e2m1_ptx, nvfp4_block_dequantize
+
+MIN_AMAX = tl.constexpr(ref.MIN_AMAX)
+FP8_MAX = tl.constexpr(ref.FP8_MAX)
+BACKENDS = ("auto", "triton", "scaled_mm")
+MAX_GROUP = 8192  # a group is one tile of the quantizer
+
+
+# ----------------------------------------------------------------------------- activation quantizer
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` clamped to +-448 and rounded to the nearest e4m3 value (ties to even), as fp32: the
+    magnitude over its quantum 2**(e - 3) (e: v's exponent, at least e4m3's smallest normal -6) is
+    below 16, where adding and subtracting 1.5 * 2**23 rounds to an integer."""
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    inverse_quantum = ((130 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
+    quantum = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
+    rounded = ((tl.abs(v) * inverse_quantum + 12582912.0) - 12582912.0) * quantum
+    # the sign put back bitwise: -x in Triton is 0 - x, which turns -0.0 into +0.0
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(x, scale):
+    return round_to_e4m3(tl.math.div_rn(x, scale)).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """One row: its amax (unless ``STATIC``), its scale, its e4m3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_xm + k0 + lanes, mask=k0 + lanes < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX), FP8_MAX)
+        tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_xm + k0 + lanes, mask=k0 + lanes < K, other=0.0)
+        tl.store(q_ptr + row * stride_qm + k0 + lanes, _e4m3(x.to(tl.float32), scale), mask=k0 + lanes < K)
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, group_size, stride_xm, stride_qm, stride_sm,
+                            stride_sg, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``BLOCK_G`` groups of one row: each group's amax, scale and e4m3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    lanes = tl.arange(0, GROUP_PAD)
+    ks = groups[:, None] * group_size + lanes[None, :]
+    mask = (lanes < group_size)[None, :] & (ks < K)  # the last group may be short
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), FP8_MAX)
+    tl.store(scale_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * group_size < K)
+    tl.store(q_ptr + row * stride_qm + ks, _e4m3(x, scale[:, None]), mask=mask)
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | None = None,
+                 group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)`` with ``x ~ x_fp8 * scale``, e4m3 saturating, for x [..., K] (bf16/fp16/fp32).
+
+    ``scale`` given (one fp32 value): static per tensor, returned as is. Otherwise dynamic: per token
+    (scale [..., 1]) or, with ``group_size``, per group of that many columns (scale [..., ceil(K / g)],
+    the last group the columns left; column-major in memory as cuBLASLt's blockwise scaling wants it).
+    """
+    k = x.shape[-1]
+    ref.check_activations(x, k, "fp8_quantize")
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1):
+        raise ValueError(f"fp8_quantize: a static scale must be one float32 value, got {scale.dtype} of "
+                         f"shape {tuple(scale.shape)}")
+    if group_size is not None and (scale is not None or not 1 <= group_size <= MAX_GROUP):
+        raise ValueError(f"fp8_quantize: group_size must be 1 to {MAX_GROUP} columns, and scale None; got "
+                         f"group_size={group_size}, scale={scale}")
+    rows = x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if group_size is not None:
+        found = _quantize_groups(rows, q, group_size)
+        return q.view(x.shape), found.view(*x.shape[:-1], found.shape[1])
+    if scale is not None:
+        _quantize_rows(rows, q, scale.reshape(1), static=True)
+        return q.view(x.shape), scale
+    found = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    _quantize_rows(rows, q, found, static=False)
+    return q.view(x.shape), found.view(*x.shape[:-1], 1)
+
+
+def _quantize_rows(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, static: bool) -> None:
+    (m, k), block = rows.shape, min(4096, triton.next_power_of_2(rows.shape[1]))
+    if m and k:
+        _quantize_rows_kernel[(m,)](rows, q, scale, k, rows.stride(0), q.stride(0), STATIC=static,
+                                    BLOCK=block, num_warps=4)
+
+
+def _quantize_groups(rows: torch.Tensor, q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The scales [M, ceil(K / g)], column-major."""
+    (m, k), groups = rows.shape, triton.cdiv(rows.shape[1], group_size)
+    found = torch.empty((groups, m), dtype=torch.float32, device=rows.device).t()
+    group_pad = triton.next_power_of_2(group_size)
+    block_g = max(1, min(triton.next_power_of_2(groups), 2048 // group_pad))
+    if m and groups:
+        _quantize_groups_kernel[(m, triton.cdiv(groups, block_g))](
+            rows, q, found, k, group_size, rows.stride(0), q.stride(0), found.stride(0), found.stride(1),
+            GROUP_PAD=group_pad, BLOCK_G=block_g, num_warps=4)
+    return found
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Tiles of one tensor-core GEMM launch (``block_k`` in elements), a function of the shapes only."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    @classmethod
+    def choose(cls, m: int, n: int = 1 << 20, block_k: int = 128, block_scaled: bool = False) -> "GemmLaunch":
+        """16-row tiles for decode batches (mma.sync; 32 features where 64 would leave SMs of an H100
+        idle: below 16384 features, e.g. 128 instead of 64 programs at N = 4096), 64 rows up to 64,
+        then wgmma tiles of 128 x 128 (64 x 128 with block scales: their second accumulator spills
+        registers at 128 x 128, sm_90)."""
+        if m <= 16:
+            return cls(16, 64 if n >= 16384 else 32, block_k, num_warps=4, num_stages=4)
+        if m <= 64:
+            return cls(64, 64, block_k, num_warps=4, num_stages=4)
+        if block_scaled:
+            return cls(64, 128, block_k, num_warps=4, num_stages=3)
+        return cls(128, 128, block_k, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program, ``GROUP_M`` row tiles walking the columns together
+    so that their weight tiles are read from L2."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _store_tile(out_ptr, bias_ptr, acc, rows, cols, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dst = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_am, stride_bn, stride_om, stride_asm, stride_ask, stride_bsn, stride_bsk, scale_rows, scale_cols,
+    BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """e4m3 a [M, K] (bytes) times e4m3 b [N, K] (bytes), transposed: row scales of a times column
+    scales of b after the loop, or (``BLOCK_SCALED``) the scales of each K block of ``scale_cols``
+    columns on that block's partial product."""
+    tile_m, tile_n = _tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_tile = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    b_tile = b_ptr + cols.to(tl.int64)[:, None] * stride_bn + ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks < K)[None, :]
+        a = tl.load(a_tile + k0, mask=(rows < M)[:, None] & k_ok, other=0).to(tl.float8e4nv, bitcast=True)
+        b = tl.load(b_tile + k0, mask=(cols < N)[:, None] & k_ok, other=0).to(tl.float8e4nv, bitcast=True)
+        if BLOCK_SCALED:
+            block = k0 // scale_cols
+            a_scale = tl.load(a_scale_ptr + rows * stride_asm + block * stride_ask, mask=rows < M, other=0.0)
+            b_scale = tl.load(b_scale_ptr + (cols // scale_rows) * stride_bsn + block * stride_bsk,
+                              mask=cols < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if not BLOCK_SCALED:
+        acc *= tl.load(a_scale_ptr + rows * stride_asm, mask=rows < M, other=0.0)[:, None]
+        acc *= tl.load(b_scale_ptr + cols * stride_bsn, mask=cols < N, other=0.0)[None, :]
+    _store_tile(out_ptr, bias_ptr, acc, rows, cols, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _weight_only_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor,
+    FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
+):
+    """x [M, K] times a quantized weight [N, K] transposed (scales read as ``quant_gemv.ScaleLayout``
+    says), each weight tile converted to x's dtype in registers for the tensor cores: FP8 exactly,
+    NVFP4 through ``nvfp4_block_dequantize`` (exact in fp16 and bf16); block-scaled FP8 multiplies
+    each K tile's product by its scales (``BLOCK_K`` divides the scale block)."""
+    tile_m, tile_n = _tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w_bytes: tl.constexpr = BLOCK_K if FORMAT == FP8 else BLOCK_K // 2
+    bs = tl.arange(0, w_bytes)
+    x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + bs[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_tile + k0, mask=(rows < M)[:, None] & (k0 + ks < K)[None, :], other=0.0)
+        b0 = k0 * w_bytes // BLOCK_K  # the tile's first byte
+        w_mask = (cols < N)[:, None] & (b0 + bs < K * w_bytes // BLOCK_K)[None, :]
+        w = tl.load(w_tile + b0, mask=w_mask, other=0)
+        if FORMAT == FP8:
+            w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+            if BLOCK_SCALED:
+                scale = tl.load(scale_ptr + (cols // scale_rows) * stride_sn + (k0 // scale_cols) * stride_sk,
+                                mask=cols < N, other=0.0)
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            scale = tl.load(scale_ptr + cols.to(tl.int64)[:, None] * stride_sn + blocks[None, :] * stride_sk,
+                            mask=(cols < N)[:, None] & (blocks * 16 < K)[None, :], other=0.0)
+            w = tl.reshape(nvfp4_block_dequantize(w, scale, BLOCK_N, BLOCK_K, E2M1_PTX), [BLOCK_N, BLOCK_K])
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+    if not BLOCK_SCALED:
+        acc *= tl.load(out_scale_ptr + cols * stride_os, mask=cols < N, other=0.0)[None, :]
+    _store_tile(out_ptr, bias_ptr, acc * out_factor, rows, cols, M, N, stride_om, HAS_BIAS)
+
+
+def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+             input_scale: torch.Tensor | None = None, block_size=None, bias: torch.Tensor | None = None, *,
+             backend: str = "auto", launch: GemmLaunch | None = None) -> torch.Tensor:
+    """``quantize(x) @ dequantize(weight_fp8, weight_scale).T + bias`` for x [..., K], in x's dtype.
+
+    Activations: static per tensor with ``input_scale`` (one fp32 value), per 1 x bk group with
+    ``block_size=(bn, bk)`` (then ``weight_scale`` is [ceil(N / bn), ceil(K / bk)]), else dynamic per
+    token. ``backend``: ``"auto"`` (``torch._scaled_mm`` for per-tensor / per-channel scales where it
+    takes the shapes, Triton otherwise), ``"triton"`` or ``"scaled_mm"``.
+    """
+    kind = ref.fp8_scale_kind(weight_fp8, weight_scale, block_size, "fp8_gemm")
+    n, k = weight_fp8.shape
+    ref.check_activations(x, k, "fp8_gemm")
+    ref.check_bias(bias, n, "fp8_gemm")
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_gemm: backend must be one of {BACKENDS}, got {backend!r}")
+    if input_scale is not None and kind == "block":
+        raise ValueError("fp8_gemm: block-scaled weights take activations quantized per 1 x bk group; "
+                         "input_scale must be None")
+    rows = x.reshape(-1, k)
+    auto_scaled_mm = backend == "auto" and kind != "block" and _scaled_mm_fits(x, n, k)
+    use_scaled_mm = backend == "scaled_mm" or auto_scaled_mm
+    if not use_scaled_mm:
+        launch = _gemm_launch(rows.shape[0], n, kind, block_size, launch)
+    x_fp8, x_scale = fp8_quantize(rows, input_scale, int(block_size[1]) if kind == "block" else None)
+    if use_scaled_mm:
+        out = _scaled_mm(x_fp8, x_scale, weight_fp8, weight_scale, kind, bias, x.dtype)
+    else:
+        out = _fp8_gemm_triton(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, x.dtype,
+                               launch)
+    return out.view(*x.shape[:-1], n)
+
+
+def _gemm_launch(m: int, n: int, kind: str, block_size, launch: GemmLaunch | None,
+                 what: str = "fp8_gemm") -> GemmLaunch:
+    """The Triton GEMM's tiles; with block scales, K tiles that never straddle a scale block."""
+    if kind != "block":
+        return launch or GemmLaunch.choose(m, n)
+    scale_cols = int(block_size[1])
+    block_k = min(128, scale_cols & -scale_cols)  # the largest power of two dividing it
+    if block_k < 16:
+        raise ValueError(f"{what}: a scale block of {scale_cols} columns is not a multiple of 16")
+    launch = launch or GemmLaunch.choose(m, n, block_k, block_scaled=True)
+    if scale_cols % launch.block_k:
+        raise ValueError(f"{what}: block_k {launch.block_k} must divide the scale block's {scale_cols} "
+                         f"columns")
+    return launch
+
+
+def _scaled_mm_fits(x: torch.Tensor, n: int, k: int) -> bool:
+    """Where ``torch._scaled_mm`` takes the GEMM: CUDA sm_89+, bf16 output (its rowwise kernel's
+    dtype on every torch we allow), K and N multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def _scaled_mm(x_fp8, x_scale, weight, weight_scale, kind: str, bias, out_dtype) -> torch.Tensor:
+    m, n = x_fp8.shape[0], weight.shape[0]
+    if kind == "block":  # cuBLASLt 1 x 128 activations x 128 x 128 weights; scales K-block-major
+        scale_a, scale_b = x_scale, weight_scale.t()
+    elif kind == "tensor" and x_scale.numel() == 1:
+        scale_a, scale_b = x_scale.reshape(()), weight_scale.reshape(())
+    else:  # rowwise: a per-tensor scale on either side repeats along its dimension
+        scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
+        scale_b = weight_scale.reshape(1, -1).expand(1, n).contiguous()
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype and kind != "block" else None
+    out = torch._scaled_mm(x_fp8, weight.t(), scale_a, scale_b, bias=fused_bias, out_dtype=out_dtype)
+    return out if bias is None or fused_bias is not None else (out.float() + bias.float()).to(out_dtype)
+
+
+def _fp8_gemm_triton(x_fp8, x_scale, weight, weight_scale, kind: str, block_size, bias, out_dtype,
+                     launch: GemmLaunch) -> torch.Tensor:
+    m, (n, k) = x_fp8.shape[0], weight.shape
+    if kind == "block":
+        scale_rows, scale_cols = int(block_size[0]), int(block_size[1])
+        a_strides, b_strides = x_scale.stride(), weight_scale.stride()
+    else:
+        scale_rows, scale_cols = 1, k
+        a_strides = (x_scale.stride(0) if x_scale.numel() > 1 else 0, 0)
+        b_strides = (weight_scale.reshape(-1).stride(0) if kind == "channel" else 0, 0)
+        weight_scale = weight_scale.reshape(-1)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
+    if m and n:
+        grid = (triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n),)
+        _fp8_gemm_kernel[grid](
+            x_fp8.view(torch.uint8), weight.view(torch.uint8), x_scale, weight_scale,
+            bias if bias is not None else out, out, m, n, k, x_fp8.stride(0), weight.stride(0), out.stride(0),
+            *a_strides, *b_strides, scale_rows, scale_cols,
+            BLOCK_SCALED=kind == "block", HAS_BIAS=bias is not None, BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return out
+
+
+def nvfp4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+               weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+               launch: GemmLaunch | None = None) -> torch.Tensor:
+    """``x @ dequantize(W).T + bias`` for x [..., K] (bf16/fp16; fp32 for tests) and a ModelOpt NVFP4
+    weight (``quant_reference``), weight-only: the tensor cores multiply x by dequantized tiles."""
+    scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemm")
+    if launch is not None and (launch.block_k % 16 or launch.block_k < 32):
+        raise ValueError(f"nvfp4_gemm: block_k must be a multiple of 16 of at least 32, got {launch.block_k}")
+    return _weight_only(x, weight_packed, 2 * weight_packed.shape[1], scales, WeightFormat.NVFP4, bias,
+                        launch, "nvfp4_gemm")
+
+
+def fp8_weight_only_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+                         block_size=None, bias: torch.Tensor | None = None, *,
+                         launch: GemmLaunch | None = None) -> torch.Tensor:
+    """What ``fp8_gemv`` computes (x unquantized times the dequantized FP8 weight), for any number of
+    rows, on the tensor cores: each weight tile converted to x's dtype in registers (decode batches
+    stream the weight once; x is not quantized, unlike ``fp8_gemm``)."""
+    scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_weight_only_gemm")
+    if scales.block_scaled:
+        rows = x.numel() // max(x.shape[-1], 1)
+        launch = _gemm_launch(rows, weight_fp8.shape[0], "block", block_size, launch, "fp8_weight_only_gemm")
+    return _weight_only(x, weight_fp8.view(torch.uint8), weight_fp8.shape[1], scales, WeightFormat.FP8, bias,
+                        launch, "fp8_weight_only_gemm")
+
+
+def _weight_only(x, weight, k: int, scales: ScaleLayout, fmt: WeightFormat, bias, launch: GemmLaunch | None,
+                 what: str) -> torch.Tensor:
+    n = weight.shape[0]
+    ref.check_activations(x, k, what)
+    ref.check_bias(bias, n, what)
+    rows = x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    m = rows.shape[0]
+    launch = launch or GemmLaunch.choose(m, n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        grid = (triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n),)
+        _weight_only_gemm_kernel[grid](
+            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0), *scales.kernel_args(),
+            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", E2M1_PTX=e2m1_ptx(x.device),
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,316 @@
+"""Linear layers of a few rows (decode) on FP8 or NVFP4 weights, dequantized inside the kernel.
+
+``out[M, N] = x[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests), the
+products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
+references are in ``quant_reference.py``; ``quant_gemm.py`` has the same computation on the tensor
+cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows.
+
+The structure is the bf16 GEMV's (``gemv.py``): one program computes ``BLOCK_N`` output features of
+every row over the whole K on the CUDA cores, products accumulated per (row, feature, lane) and
+reduced once after the loop, under PDL. A decode step costs its weight stream, so the tiles are
+sized in bytes, and each program loads its next weight tile before the products of the current one
+(the first before the PDL wait): a tile in flight while it computes.
+
+- FP8 (e4m3): a per-tensor or per-channel scale multiplies each feature's sum once at the end; a
+  block scale ``[ceil(N / bn), ceil(K / bk)]`` varies along K, so it multiplies the activations of
+  each K block instead (every program's features lie in one row block: ``BLOCK_N`` divides bn).
+- NVFP4: each byte holds elements 2j (low nibble) and 2j + 1; ``e2m1_to_fp16`` moves the code's bits
+  into an fp16 (the value times 2**-14, exact; on the GPU ``E2M1_ASM`` does four bytes at a time);
+  the products are summed per block of 16 and each sum multiplied by the block's e4m3 scale; the
+  2**14 and the global scale multiply the sums at the end. The tensor-core path multiplies the fp16
+  values by their scales instead (``nvfp4_block_dequantize``: exact in fp16, at most 8 significant
+  bits and at least 2**-24). Hopper has no FP4 arithmetic, so this is the path of every GPU today;
+  Blackwell's native FP4 GEMM (``torch._scaled_mm`` on float4_e2m1fn_x2 with swizzled scales) would
+  be a second implementation behind ``nvfp4_gemv`` / ``nvfp4_gemm``, chosen by device.
+
+SASS of sm_90 (``bench/quant_kernels.py --compile-sm90``; no GPU here to time it): the FP8 GEMV's
+loop spends ~6.7 instructions per weight byte, the weight tile passing through shared memory to meet
+the bf16 activations' register layout; the tensor-core GEMM at 16 rows ~4.5 per FP8 weight, ~7.8 per
+NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
+instructions per FP8 byte and ~4 per NVFP4 element: the NVFP4 kernels are expected issue-bound.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from . import quant_reference as ref
+from .gemv import MAX_ROWS, _accumulate
+from .pdl import Trigger
+
+E2M1_UNIT = 16384.0  # e2m1_to_fp16 returns the value times 2**-14
+
+
+class WeightFormat(IntEnum):
+    FP8 = 0
+    NVFP4 = 1
+
+
+FP8, NVFP4 = (tl.constexpr(f.value) for f in WeightFormat)
+START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
+
+
+@triton.jit
+def e2m1_to_fp16(code):
+    """The e2m1 value of ``code`` (its low 4 bits) times 2**-14, as fp16: the sign bit moves to bit
+    15, exponent and mantissa to bits 10-9, so exponent e > 0 reads as 2**(e - 15) and the e2m1
+    subnormal 0.5 as fp16's subnormal 2**-15."""
+    c = code.to(tl.uint16)
+    return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.float16, bitcast=True)
+
+
+# e2m1_to_fp16 on four packed bytes at once (sm_80+ PTX; the interpreter runs e2m1_to_fp16): the
+# bytes spread to the 16-bit halves of two words (prmt), then per half the low nibble's magnitude
+# shifted to bits 11-9 and its sign to bit 15 (shl; and; lop3 0xE4 = c ? a : b), likewise the high
+# nibble's. Out: low nibbles of bytes 0-1, 2-3, then high nibbles of bytes 0-1, 2-3 (fp16 pairs).
+def _e2m1_asm() -> str:
+    lines = ["{", ".reg .b32 t0, t1, a, b;", "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for out, (word, magnitude, sign) in enumerate([("t0", 9, 12), ("t1", 9, 12), ("t0", 5, 8), ("t1", 5, 8)]):
+        lines += [f"shl.b32 a, {word}, {magnitude};", f"shl.b32 b, {word}, {sign};",
+                  "and.b32 b, b, 0x80008000;", f"lop3.b32 ${out}, a, b, 0x0E000E00, 0xE4;"]
+    return "\n".join(lines + ["}"])
+
+
+E2M1_ASM = tl.constexpr(_e2m1_asm())
+
+
+@triton.jit
+def e2m1_pairs_to_fp16(packed, ROWS: tl.constexpr, BYTES: tl.constexpr, ASM: tl.constexpr):
+    """A [ROWS, BYTES] tile of packed bytes as [ROWS, 2 * BYTES] fp16 elements in order (low nibble
+    first), times 2**-14 (``e2m1_to_fp16``); ``ASM``: four bytes per PTX sequence (``E2M1_ASM``)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        low, high = e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4)
+    return tl.reshape(tl.join(low, high), [ROWS, 2 * BYTES])
+
+
+@triton.jit
+def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.constexpr, ASM: tl.constexpr):
+    """A [ROWS, ELEMENTS // 2] tile of packed bytes and its [ROWS, ELEMENTS // 16] e4m3 scales as
+    [ROWS, ELEMENTS // 16, 16] fp16 values times 2**-14: exact (each product has at most 8
+    significant bits and is a multiple of 2**-24, fp16's smallest subnormal, below 0.17)."""
+    values = tl.reshape(e2m1_pairs_to_fp16(packed, ROWS, ELEMENTS // 2, ASM), [ROWS, ELEMENTS // 16, 16])
+    return values * scale.to(tl.float16)[:, :, None]
+
+
+@triton.jit
+def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn,
+                   stride_sk, block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                   E2M1_PTX: tl.constexpr):
+    """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
+    as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
+    bs = b0 + tl.arange(0, BLOCK_B)
+    if FORMAT == FP8:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + bs[None, :], mask=row_ok[:, None] & (bs < K)[None, :],
+                    other=0.0).to(tl.float32)
+        if BLOCK_SCALED:  # the scale of (this program's row block, each column's K block)
+            k_scale = tl.load(scale_ptr + block_row * stride_sn + (bs // scale_cols) * stride_sk, mask=bs < K,
+                              other=0.0)
+            x = x * k_scale[None, :]
+        acc = _accumulate(acc, w.to(tl.float8e4nv, bitcast=True), x, BLOCK_M)
+    else:
+        # NVFP4: bytes -> elements in order (low nibble first), products summed per block of 16
+        # elements, each sum times its block's e4m3 scale: one multiply and one accumulator per block
+        w = e2m1_pairs_to_fp16(w, BLOCK_N, BLOCK_B, E2M1_PTX)
+        ks = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        blocks = b0 // 8 + tl.arange(0, BLOCK_B // 8)
+        scale = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :] * stride_sk,
+                        mask=col_ok[:, None] & (blocks * 16 < K)[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            products = w.to(tl.float32) * tl.sum(x, 0)[None, :]
+            acc += tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_B // 8, 16]), 2) * scale
+        else:
+            products = x[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(tl.reshape(products, [BLOCK_M, BLOCK_N, BLOCK_B // 8, 16]), 3) * scale[None]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quant_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, row_bytes, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows,
+    scale_cols, out_factor,
+    FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    lanes = tl.arange(0, BLOCK_B)
+    block_row = (pid * BLOCK_N) // scale_rows
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    # the next tile's bytes are loaded before the current tile's products: a tile in flight while
+    # the program computes (the first one before the wait: no kernel of the step writes weights)
+    first_mask = col_ok[:, None] & (lanes < row_bytes)[None, :]
+    w_next = tl.zeros([BLOCK_N, BLOCK_B], dtype=w_ptr.dtype.element_ty)
+    if PRELOAD:
+        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
+    if TRIGGER == START:
+        pdl.allow_dependents(PDL)
+    pdl.wait(PDL)
+    if TRIGGER == AFTER_WAIT:
+        pdl.allow_dependents(PDL)
+    if not PRELOAD:
+        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
+    lanes_acc: tl.constexpr = BLOCK_B if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
+    acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
+    for b0 in range(0, row_bytes, BLOCK_B):
+        w = w_next
+        bs = b0 + BLOCK_B + lanes  # past the row on the last iteration: masked, nothing read
+        w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
+        acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
+                             stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M,
+                             BLOCK_N, BLOCK_B, E2M1_PTX)
+    if TRIGGER == AFTER_LOOP:
+        pdl.allow_dependents(PDL)
+    out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
+    if not BLOCK_SCALED:  # a per-tensor (stride 0) or per-channel FP8 scale, or the NVFP4 global scale
+        out *= tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0)[None, :]
+    out *= out_factor
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class QuantGemvLaunch:
+    """Tile sizes of one launch: ``block_n`` features x ``block_b`` weight bytes per row (shapes only)."""
+
+    block_n: int
+    block_b: int
+    num_warps: int = 4
+    trigger: Trigger = Trigger.AFTER_WAIT  # as the bf16 GEMV (gemv.GemvLaunch)
+    preload: bool = True
+
+    @classmethod
+    def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1,
+               block_rows: int | None = None) -> "QuantGemvLaunch":
+        """One row: FP8 4 features x 1024 bytes (the bf16 GEMV's accumulator of 4 x 1024 lanes),
+        NVFP4 4 x 512 bytes (as many elements); up to four rows: 16 x 128 bytes. ``block_rows``: the
+        weight rows of one FP8 scale block, which ``block_n`` must divide."""
+        block_n, block_b = (16, 128) if rows > 1 else (4, 1024 if fmt == WeightFormat.FP8 else 512)
+        if block_rows is not None:
+            block_n = min(block_n, block_rows & -block_rows)  # the largest power of two dividing it
+        return cls(block_n, min(block_b, max(16, triton.next_power_of_2(row_bytes))))
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How the kernels read a weight's scales: block-scaled, ``scale[n // rows, k // cols]`` (strides
+    ``stride_n``, ``stride_k``) multiplies each K block's products; otherwise ``out_scale[n *
+    stride_out]`` (stride 0: one value) multiplies each output feature's sum; then ``factor``. NVFP4:
+    ``scale`` holds the e4m3 block scales (per 16 elements, applied per block by the kernels' NVFP4
+    path), ``out_scale`` the global scale and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
+
+    scale: torch.Tensor
+    out_scale: torch.Tensor
+    stride_n: int
+    stride_k: int
+    stride_out: int
+    rows: int
+    cols: int
+    factor: float
+    block_scaled: bool
+
+    @classmethod
+    def fp8(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block_size, what: str) -> "ScaleLayout":
+        kind = ref.fp8_scale_kind(weight, weight_scale, block_size, what)
+        n, k = weight.shape
+        if kind == "block":
+            return cls(weight_scale, weight_scale, *weight_scale.stride(), 0, int(block_size[0]),
+                       int(block_size[1]), 1.0, True)
+        flat = weight_scale.reshape(-1)
+        return cls(flat, flat, 0, 0, flat.stride(0) if kind == "channel" else 0, n, k, 1.0, False)
+
+    @classmethod
+    def nvfp4(cls, weight_packed, weight_scale, weight_scale_2, what: str) -> "ScaleLayout":
+        n, _ = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, what)
+        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0,
+                   n, ref.NVFP4_GROUP, E2M1_UNIT, False)
+
+    def kernel_args(self) -> tuple:
+        """The kernels' ``stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor``."""
+        return self.stride_n, self.stride_k, self.stride_out, self.rows, self.cols, self.factor
+
+
+def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
+             bias: torch.Tensor | None = None, *, launch: QuantGemvLaunch | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight_fp8, weight_scale).T + bias`` for x [..., K] of at most 4 rows.
+
+    ``weight_fp8`` float8_e4m3fn [N, K]; ``weight_scale`` fp32 per tensor, per channel ([N]) or per
+    block ([ceil(N / bn), ceil(K / bk)] with ``block_size=(bn, bk)``); the result has x's dtype.
+    """
+    scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_gemv")
+    n, k = weight_fp8.shape
+    rows = _rows(x, k, bias, n, "fp8_gemv")
+    block_rows = scales.rows if scales.block_scaled else None
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
+    if scales.block_scaled and scales.rows % launch.block_n:
+        raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
+                         f"{scales.rows} rows")
+    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch)
+
+
+def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+               weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+               launch: QuantGemvLaunch | None = None) -> torch.Tensor:
+    """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
+    ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
+    ``weight_scale_2`` fp32 (one value)."""
+    scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
+    n, row_bytes = weight_packed.shape
+    rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
+        raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
+    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
+
+
+def e2m1_ptx(device: torch.device) -> bool:
+    """Whether kernels decode e2m1 with ``E2M1_ASM`` (compiled for a GPU) or in plain Triton (the
+    interpreter)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
+    """x as [M, K] rows with unit column stride, after the checks every GEMV shares."""
+    ref.check_activations(x, k, what)
+    ref.check_bias(bias, n, what)
+    rows = x.reshape(-1, k)
+    if rows.shape[0] > MAX_ROWS:
+        raise ValueError(f"{what} takes at most {MAX_ROWS} rows, got {rows.shape[0]}")
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_bytes: int,
+            launch: QuantGemvLaunch) -> torch.Tensor:
+    m, n = rows.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
+            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0),
+            *scales.kernel_args(),
+            FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
+            TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device),
+            num_warps=launch.num_warps, num_stages=1,
+            **pdl.launch_options(x.device),
+        )
+    return out.view(*x.shape[:-1], n)

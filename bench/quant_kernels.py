@@ -1,0 +1,484 @@
+"""The quantized-linear kernels on one GPU: each checked against its reference, then timed at the
+Llama-3.1-8B linear shapes, next to bf16 and the copy bandwidth measured in the same run. Runs alone
+(``main``) or as the ``quant_kernels`` section of ``full_table.py`` (``add_options``, ``table_rows``).
+
+Shapes (N x K): qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336, lm_head
+128256 x 4096; rows M = 1, 8, 64, 512 (``--rows``) and 8192 for the GEMMs (``--gemm-rows``). Each
+implementation runs on weights of its format (random bf16 weights quantized on the GPU; NVFP4 random
+codes and scales), the activation quantization included where the op quantizes (``fp8_gemm``):
+
+- ``bf16 cuBLAS`` (F.linear) and ``bf16 GEMV`` (``kernels/gemv.py``, M <= 4);
+- ``fp8_gemv channel`` / ``fp8_gemv block128`` / ``nvfp4_gemv`` (weight-only, CUDA cores, M <= 4) and
+  ``fp8 weight-only channel`` / ``block128`` (the same on the tensor cores, M <= 512);
+- ``scaled_mm tensor`` (static per-tensor input and weight scales, cuBLASLt) and ``scaled_mm
+  rowwise`` (per-channel weight, dynamic per-token input) through ``fp8_gemm(backend="scaled_mm")``;
+  ``fp8_gemm triton rowwise`` (M >= 8), the same on the Triton GEMM;
+- ``fp8_gemm block triton`` and ``fp8_gemm block scaled_mm`` (128 x 128 weight blocks, 1 x 128
+  activation groups; torch's blockwise ``_scaled_mm`` needs sm_90 and cuBLAS 12.9: where this torch
+  refuses it, the row says why);
+- ``nvfp4_gemm`` (weight-only, tensor cores).
+
+``check``: ||out - reference|| / ||reference|| on the first 256 rows (below 1e-2 passes: bf16
+outputs); ``us``: median time per call of a CUDA graph replaying the call over rotating weight sets
+(more than 4x the L2 cache; ``gpu_harness.graph_us``); ``GB/s``: weight bytes (codes and scales) per
+second, ``%copy`` of the device-to-device copy bandwidth; ``TFLOP/s``: 2 M N K per second. The
+summary adds the batch-1 linears of a whole 8B decode step (32 layers x qkv, o, gate_up, down + the
+LM head, which stays bf16 in the quantized rows) against the weight stream's floor.
+
+    python bench/quant_kernels.py [--json PATH]              # < 4 minutes on an H100; exit 1 if a check fails
+    python bench/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep   # batch-1 launch sweep
+    python bench/quant_kernels.py --compile-sm90   # no GPU: registers, spills, tensor-core use per variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import kernels_only  # noqa: F401  (autodeploy.kernels without transformers; this folder)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+LAYERS = 32  # Llama-3.1-8B
+CHECK_ROWS = 256
+TOLERANCE = 1e-2
+# --sweep: GEMV (features, bytes, warps), tensor-core GEMM at 16 rows (features, K tile, stages)
+GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
+TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation: its weight format, the rows it takes, the call (x, weights) and its fp32
+    reference (x, weights, a function returning the fp32 dequantized weight)."""
+
+    name: str
+    fmt: str  # a key of formats()
+    call: Callable = field(compare=False)
+    reference: Callable = field(compare=False)
+    max_rows: int | None = None  # the GEMVs: at most 4; the weight-only FP8 GEMMs (decode batches): 512
+    min_rows: int = 1
+
+    def takes(self, rows: int) -> bool:
+        return self.min_rows <= rows <= (self.max_rows or rows)
+
+
+@dataclass
+class Result:
+    shape: str
+    n: int
+    k: int
+    rows: int
+    impl: str
+    fmt: str = "bf16"
+    us: float | None = None
+    err: float | None = None
+    weight_bytes: float = 0.0
+    note: str = ""
+
+    @property
+    def gbps(self) -> float | None:
+        return self.weight_bytes / self.us / 1e3 if self.us else None
+
+    @property
+    def tflops(self) -> float | None:
+        return 2 * self.rows * self.n * self.k / self.us / 1e6 if self.us else None
+
+    @property
+    def ok(self) -> bool:
+        return self.err is None or (math.isfinite(self.err) and self.err < TOLERANCE)
+
+
+def cases(shapes: list[str], rows: list[int], gemm_rows: list[int], impls: list[Impl]):
+    """(shape, rows, impl) in the order they run: per shape, per row count, each impl that takes it;
+    ``gemm_rows`` only for the implementations without a row limit."""
+    for shape in shapes:
+        for m in rows:
+            yield from ((shape, m, impl) for impl in impls if impl.takes(m))
+        for m in gemm_rows:
+            yield from ((shape, m, impl) for impl in impls if impl.max_rows is None and impl.takes(m))
+
+
+def table(results: list[Result], copy_bytes_per_s: float) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    head = (f"{'shape':<8}{'M':>6}  {'impl':<26}{'check':>13}{'us':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
+            "  note")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        check = "-" if r.err is None else f"{r.err:.1e} {'ok' if r.ok else 'FAIL'}"
+        share = r.gbps and 100 * r.gbps * 1e9 / copy_bytes_per_s
+        lines.append(f"{r.shape:<8}{r.rows:>6}  {r.impl:<26}{check:>13}{fmt(r.us, '.1f'):>10}"
+                     f"{fmt(r.gbps, '.0f'):>8}{fmt(share, '.0f'):>7}{fmt(r.tflops, '.1f'):>9}  {r.note}")
+    return "\n".join(lines)
+
+
+DECODE_STEPS = {  # the batch-1 linears of one 8B decode step: (layer impl, LM head impl)
+    "bf16": ("bf16 GEMV", "bf16 GEMV"),
+    "fp8 gemv": ("fp8_gemv channel", "bf16 GEMV"),
+    "fp8 tc": ("fp8 weight-only channel", "bf16 GEMV"),
+    "fp8 block gemv": ("fp8_gemv block128", "bf16 GEMV"),
+    "fp8 block tc": ("fp8 weight-only block128", "bf16 GEMV"),
+    "nvfp4 gemv": ("nvfp4_gemv", "bf16 GEMV"),
+    "nvfp4 tc": ("nvfp4_gemm", "bf16 GEMV"),
+}
+
+
+def decode_steps(results: list[Result], copy_bytes_per_s: float) -> list[tuple[str, float, float]]:
+    """(label, seconds, floor seconds) per format whose batch-1 rows were all measured: the step's
+    linears, and their weight bytes at the copy bandwidth."""
+    one = {(r.shape, r.impl): r for r in results if r.rows == 1 and r.us}
+    steps = []
+    for label, (layer_impl, head_impl) in DECODE_STEPS.items():
+        parts = [(one.get((s, layer_impl)), LAYERS) for s in ("qkv", "o", "gate_up", "down")]
+        parts.append((one.get(("lm_head", head_impl)), 1))
+        if all(r is not None for r, _ in parts):
+            seconds = sum(r.us * count for r, count in parts) / 1e6
+            floor = sum(r.weight_bytes * count for r, count in parts) / copy_bytes_per_s
+            steps.append((label, seconds, floor))
+    return steps
+
+
+def decode_summary(results: list[Result], copy_bytes_per_s: float) -> list[str]:
+    return [f"8B decode linears, batch 1, {label:<15}{seconds * 1e3:7.3f} ms   floor {floor * 1e3:.3f} ms   "
+            f"{100 * floor / seconds:.0f}% of it"
+            for label, seconds, floor in decode_steps(results, copy_bytes_per_s)]
+
+
+# ----------------------------------------------------------------------------- GPU side
+
+
+def formats():
+    """Weight makers of each format (from random bf16 weights; the keys are the kernels' argument
+    names) and their fp32 dequantizers."""
+    from autodeploy.kernels import quant_reference as ref
+
+    def fp8(w, scale):  # scale broadcastable to w
+        return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    def fp8_tensor(w):
+        scale = w.float().abs().amax() / 448
+        static = torch.tensor(0.02, device=w.device)
+        return dict(weight_fp8=fp8(w, scale), weight_scale=scale, input_scale=static)
+
+    def fp8_channel(w):
+        scale = w.float().abs().amax(1) / 448
+        return dict(weight_fp8=fp8(w, scale[:, None]), weight_scale=scale)
+
+    def fp8_block(w):
+        n, k = w.shape
+        blocks = w.float().unflatten(0, (n // 128, 128)).unflatten(2, (k // 128, 128))
+        scale = blocks.abs().amax((1, 3)) / 448
+        weight = fp8(blocks, scale[:, None, :, None]).flatten(2).flatten(0, 1)
+        return dict(weight_fp8=weight, weight_scale=scale, block_size=(128, 128))
+
+    def nvfp4(w):
+        n, k = w.shape
+        scale = (torch.rand(n, k // 16, device=w.device) * 2 + 0.25).to(torch.float8_e4m3fn)
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=w.device)
+        return dict(weight_packed=packed, weight_scale=scale,
+                    weight_scale_2=torch.tensor(0.004, device=w.device))
+
+    def fp8_dequantized(t):
+        return ref.dequantize_fp8(t["weight_fp8"], t["weight_scale"], t.get("block_size"))
+
+    return dict(bf16=(lambda w: dict(weight=w), lambda t: t["weight"].float()),
+                fp8_tensor=(fp8_tensor, fp8_dequantized), fp8_channel=(fp8_channel, fp8_dequantized),
+                fp8_block=(fp8_block, fp8_dequantized), nvfp4=(nvfp4, lambda t: ref.dequantize_nvfp4(**t)))
+
+
+def weight_bytes(t: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in t.values() if isinstance(v, torch.Tensor))
+
+
+def implementations() -> list[Impl]:
+    from autodeploy.kernels import quant_reference as ref
+    from autodeploy.kernels.gemv import gemv
+    from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_weight_only_gemm, nvfp4_gemm
+    from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
+
+    def weight_only(x, t, dequantized):  # the GEMVs' and NVFP4's semantics: x times the fp32 weight
+        return x.float() @ dequantized().t()
+
+    def quantized(x, t, dequantized):  # fp8_gemm's: activations quantized first
+        return ref.fp8_linear_reference(x, t["weight_fp8"], t["weight_scale"], t.get("input_scale"),
+                                        t.get("block_size")).float()
+
+    def on(kernel, **options):  # the kernel on x and a format's weights
+        return lambda x, t: kernel(x, **t, **options)
+
+    return [
+        Impl("bf16 cuBLAS", "bf16", on(F.linear), weight_only),
+        Impl("bf16 GEMV", "bf16", lambda x, t: gemv(x, t["weight"])[0], weight_only, max_rows=4),
+        Impl("fp8_gemv channel", "fp8_channel", on(fp8_gemv), weight_only, max_rows=4),
+        Impl("fp8_gemv block128", "fp8_block", on(fp8_gemv), weight_only, max_rows=4),
+        Impl("nvfp4_gemv", "nvfp4", on(nvfp4_gemv), weight_only, max_rows=4),
+        Impl("fp8 weight-only channel", "fp8_channel", on(fp8_weight_only_gemm), weight_only, max_rows=512),
+        Impl("fp8 weight-only block128", "fp8_block", on(fp8_weight_only_gemm), weight_only, max_rows=512),
+        Impl("scaled_mm tensor", "fp8_tensor", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("scaled_mm rowwise", "fp8_channel", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("fp8_gemm triton rowwise", "fp8_channel", on(fp8_gemm, backend="triton"), quantized, min_rows=8),
+        Impl("fp8_gemm block triton", "fp8_block", on(fp8_gemm, backend="triton"), quantized),
+        Impl("fp8_gemm block scaled_mm", "fp8_block", on(fp8_gemm, backend="scaled_mm"), quantized),
+        Impl("nvfp4_gemm", "nvfp4", on(nvfp4_gemm), weight_only),
+    ]
+
+
+class ShapeWeights:
+    """One shape's weights in every format, made on first use (copies enough to rotate past the L2
+    cache), with each format's fp32 dequantized weight for the checks; dropped after the shape."""
+
+    def __init__(self, n: int, k: int, makers: dict):
+        self.n, self.k, self.makers, self.sets, self.dequantized = n, k, makers, {}, {}
+
+    def of(self, fmt: str) -> list[dict]:
+        from gpu_harness import sets_for
+
+        if fmt not in self.sets:
+            make = self.makers[fmt][0]
+            self.sets[fmt] = [make(self._random())]
+            copies = sets_for(weight_bytes(self.sets[fmt][0]))
+            self.sets[fmt] += [make(self._random()) for _ in range(copies - 1)]
+        return self.sets[fmt]
+
+    def dequantized_of(self, fmt: str) -> torch.Tensor:
+        if fmt not in self.dequantized:
+            self.dequantized[fmt] = self.makers[fmt][1](self.of(fmt)[0])
+        return self.dequantized[fmt]
+
+    def _random(self) -> torch.Tensor:
+        return torch.randn(self.n, self.k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+
+def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None,
+            name: str | None = None) -> Result:
+    """Check one implementation (or ``call``, a variant of it) at M rows, then time it."""
+    from gpu_harness import graph_us, rel_err
+
+    call = call or impl.call
+    sets = weights.of(impl.fmt)
+    x = torch.randn(m, weights.k, device="cuda", dtype=torch.bfloat16)
+    result = Result(shape, weights.n, weights.k, m, name or impl.name, impl.fmt,
+                    weight_bytes=weight_bytes(sets[0]))
+    try:
+        out = call(x, sets[0])
+    except (RuntimeError, ValueError) as exc:  # e.g. a torch without blockwise scaling on this GPU
+        result.note = "unsupported: " + str(exc).strip().splitlines()[0][:90]
+        return result
+    rows = min(m, CHECK_ROWS)
+    want = impl.reference(x[:rows], sets[0], lambda: weights.dequantized_of(impl.fmt))
+    result.err = rel_err(out[:rows].float(), want)
+    result.us = graph_us([lambda t=t: call(x, t) for t in sets])
+    return result
+
+
+def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[Result]:
+    """The batch-1 weight-only kernels over launch configs: the CUDA-core GEMVs over ``GEMV_SWEEP``
+    (features x bytes / warps), the tensor-core GEMMs over ``TC_SWEEP`` (features, K tile, stages)."""
+    from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
+    from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
+
+    kernels = {"fp8_gemv channel": (fp8_gemv, GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),
+               "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
+               "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}
+    found = []
+    for impl in (i for i in impls if i.name in kernels):
+        kernel, configs, make = kernels[impl.name]
+        for config in configs:
+            def call(x, t, kernel=kernel, launch=make(*config)):
+                return kernel(x, **t, launch=launch)
+
+            found.append(measure(shape, 1, impl, weights, call, f"{impl.name} {'/'.join(map(str, config))}"))
+    return found
+
+
+def _tc_launch(block_n: int, block_k: int, stages: int):
+    from autodeploy.kernels.quant_gemm import GemmLaunch
+
+    return GemmLaunch(16, block_n, block_k, num_warps=4, num_stages=stages)
+
+
+def measure_all(args, impls: list[Impl]) -> list[Result]:
+    makers = formats()
+    results = []
+    for shape in args.shapes:
+        weights = ShapeWeights(*SHAPES[shape], makers)
+        for _, m, impl in cases([shape], args.rows, args.gemm_rows, impls):
+            results.append(measure(shape, m, impl, weights))
+            print(f"  {shape} M={m} {impl.name}: {results[-1].us or results[-1].note}", flush=True)
+        if args.sweep:
+            results += launch_sweep(shape, impls, weights)
+        del weights
+        torch.cuda.empty_cache()
+    return results
+
+
+# ----------------------------------------------------------------------------- a section of full_table.py
+
+WEIGHT_LABELS = {"bf16": "bf16", "fp8_tensor": "fp8-t", "fp8_channel": "fp8-ch", "fp8_block": "fp8-blk",
+                 "nvfp4": "nvfp4"}
+
+
+def add_options(group) -> None:
+    """This benchmark's options as a section of ``full_table.py`` (``--sections quant_kernels``)."""
+    group.add_argument("--quant-shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    group.add_argument("--quant-rows", type=_ints, default=[1, 8, 64, 512])
+    group.add_argument("--quant-gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
+    group.add_argument("--quant-sweep", action="store_true", help="also the batch-1 launch configs")
+
+
+def table_rows(args, header):
+    """The suite's rows (``table.TableRow``): each measurement against the longer of its weight bytes
+    at the copy bandwidth and its FLOPs at the bf16 GEMM rate (the header's), then the batch-1 decode
+    steps' linears per format against their weight stream."""
+    from table import TableRow
+
+    options = argparse.Namespace(shapes=_shapes(args.quant_shapes, argparse.ArgumentParser().error),
+                                 rows=args.quant_rows, gemm_rows=args.quant_gemm_rows, sweep=args.quant_sweep)
+    results = measure_all(options, implementations())
+    for r in results:
+        floor = max(r.weight_bytes / header.bandwidth, 2 * r.rows * r.n * r.k / header.gemm_flops)
+        notes = [f"rel err {r.err:.1e}" if r.err is not None else "", f"{r.gbps:.0f} GB/s" if r.us else "",
+                 r.note]
+        yield TableRow("quant_kernels", f"{r.shape} {r.n}x{r.k} M={r.rows}", r.impl, r.us and r.us * 1e-6,
+                       floor_s=floor if r.us else None, note="; ".join(n for n in notes if n),
+                       weights=WEIGHT_LABELS[r.fmt], passed=None if r.err is None else r.ok)
+    for label, seconds, floor in decode_steps(results, header.bandwidth):
+        yield TableRow("quant_kernels", "llama8b linears, batch 1", label, seconds, floor_s=floor,
+                       note="32 layers x qkv, o, gate_up, down + the bf16 LM head")
+
+
+# ----------------------------------------------------------------------------- sm_90 compile check
+
+
+def compile_variants():
+    """(name, kernel, pointer types, constexprs, warps, stages, options) of the launches the kernels
+    choose by default at the 8B shapes, for ``compile_sm90.compile_variant``."""
+    from autodeploy.kernels import quant_gemm as qm, quant_gemv as qg
+
+    def gemv(fmt, rows, block_scaled=False):
+        launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows)
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                    "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+        const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
+                     BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
+                     PRELOAD=launch.preload, E2M1_PTX=True)
+        name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
+        return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
+
+    def gemm(fmt, rows, block_scaled=False):
+        scale_type = "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"
+        launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
+        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m,
+                     BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
+        if fmt is None:  # activations quantized: fp8_gemm's Triton GEMM
+            pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                        "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+            kernel, const, name = qm._fp8_gemm_kernel, tiles, "fp8_gemm"
+        else:
+            pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                        "out_ptr": "*bf16", "scale_ptr": scale_type}
+            kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
+            const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
+        name = f"{name} {rows} rows{' block' if block_scaled else ''}"
+        return name, kernel, pointers, const, launch.num_warps, launch.num_stages
+
+    for fmt in qg.WeightFormat:
+        for rows in (1, 4):
+            yield gemv(fmt, rows)
+    yield gemv(qg.WeightFormat.FP8, 1, block_scaled=True)
+    for rows in (1, 64, 4096):
+        yield gemm(qg.WeightFormat.NVFP4, rows)
+        for fmt in (None, qg.WeightFormat.FP8):
+            yield gemm(fmt, rows)
+            yield gemm(fmt, rows, block_scaled=True)
+    quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for static in (False, True):
+        yield f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize, dict(STATIC=static,
+                                                                                            BLOCK=4096), 4, 1
+    groups = dict(GROUP_PAD=128, BLOCK_G=16)
+    yield "fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, groups, 4, 1
+
+
+def compile_sm90() -> int:
+    """Compile every variant for sm_90 without a GPU; 1 if one fails or spills registers in a loop."""
+    import compile_sm90 as tool  # first: it turns the interpreter off before the kernels are defined
+
+    tool.DIVISIBLE_INTS = tool.DIVISIBLE_INTS | {"row_bytes"}  # a multiple of 16 at the 8B shapes
+    ok = True
+    for variant in compile_variants():
+        row, good = tool.compile_variant(*variant)
+        print(row, flush=True)
+        ok &= good
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    parser.add_argument("--rows", type=_ints, default=[1, 8, 64, 512])
+    parser.add_argument("--gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the batch-1 weight-only kernels over launch configs")
+    parser.add_argument("--json", default=None, help="also write the header and rows here")
+    parser.add_argument("--compile-sm90", action="store_true",
+                        help="only compile the kernels for sm_90 (no GPU needed)")
+    args = parser.parse_args(argv)
+    args.shapes = _shapes(args.shapes, parser.error)
+    return args
+
+
+def _shapes(text: str, error) -> list[str]:
+    shapes = [s for s in text.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        error(f"unknown --shapes {unknown}; known: {list(SHAPES)}")
+    return shapes
+
+
+def copy_bandwidth() -> float:
+    from decode_bench import copy_bandwidth as measured
+
+    return measured()
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.compile_sm90:
+        return compile_sm90()
+    if not torch.cuda.is_available():
+        print("bench/quant_kernels.py needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    bandwidth = copy_bandwidth()
+    header = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  copy_bytes_per_s=bandwidth)
+    print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, "
+          f"copy {bandwidth / 1e12:.2f} TB/s")
+    results = measure_all(args, implementations())
+    print(table(results, bandwidth))
+    print("\n".join(decode_summary(results, bandwidth)))
+    if args.json:
+        with open(args.json, "w") as handle:
+            rows = [asdict(r) | {"gbps": r.gbps, "tflops": r.tflops} for r in results]
+            json.dump({"header": header, "rows": rows}, handle, indent=1)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

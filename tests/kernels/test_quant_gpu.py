@@ -1,0 +1,110 @@
+"""The quantized-linear kernels compiled for the GPU, in bf16, against their references (no timing:
+bench/quant_kernels.py times them). Skipped without CUDA; conftest turns the interpreter on, so run
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/kernels/test_quant_gpu.py
+"""
+
+import os
+
+import pytest
+import torch
+
+from autodeploy.kernels import quant_reference as ref
+from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_quantize, nvfp4_gemm
+from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
+
+from test_quant_gemv import fp8_scale, fp8_weight, nvfp4_weight, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="needs a CUDA device and TRITON_INTERPRET=0"),
+]
+BF16 = 1e-2
+SHAPES = [(4096 + 48, 4096), (1000, 4000)]  # N ragged; K not a multiple of 16 bytes (unaligned rows)
+
+
+def cuda(*tensors):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_gemv(n, k, kind, m):
+    scale, block = fp8_scale(kind, n, k, block=(128, 128))
+    weight, scale, x, bias = cuda(fp8_weight(n, k), scale, torch.randn(m, k, dtype=torch.bfloat16),
+                                  torch.randn(n, dtype=torch.bfloat16))
+    got = fp8_gemv(x, weight, scale, block, bias)
+    assert rel_err(got, ref.fp8_weight_only_reference(x, weight, scale, block, bias)) < BF16
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_nvfp4_gemv(m):
+    packed, scale, scale_2, x = cuda(*nvfp4_weight(4096 + 48, 4096),
+                                     torch.randn(m, 4096, dtype=torch.bfloat16))
+    got = nvfp4_gemv(x, packed, scale, scale_2)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < BF16
+
+
+@pytest.mark.parametrize("kwargs", [{"scale": 0.05}, {}, {"group_size": 128}],
+                         ids=["static", "token", "group"])
+def test_fp8_quantize_is_bit_exact(kwargs):
+    x = (torch.randn(300, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")).bfloat16()
+    kwargs = {k: torch.tensor(v, device="cuda") if k == "scale" else v for k, v in kwargs.items()}
+    got, scale = fp8_quantize(x, **kwargs)
+    want, want_scale = ref.fp8_quantize_reference(x, **kwargs)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("kind,static", [("tensor", True), ("channel", False), ("tensor", False)])
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_fp8_gemm_per_tensor_and_channel(backend, kind, static, m):
+    n, k = 4096 + 48, 4096
+    scale, _ = fp8_scale(kind, n, k)
+    weight, scale, x, bias = cuda(fp8_weight(n, k), scale, torch.randn(m, k, dtype=torch.bfloat16),
+                                  torch.randn(n, dtype=torch.bfloat16))
+    input_scale = torch.tensor(0.02, device="cuda") if static else None
+    got = fp8_gemm(x, weight, scale, input_scale, bias=bias, backend=backend)
+    assert rel_err(got, ref.fp8_linear_reference(x, weight, scale, input_scale, bias=bias)) < BF16
+
+
+@pytest.mark.parametrize("backend", ["triton", "scaled_mm"])
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_fp8_gemm_block_scaled(backend, m):
+    n, k = 4096 + 64, 4096  # a partial last row block
+    scale, block = fp8_scale("block", n, k, block=(128, 128))
+    weight, scale, x = cuda(fp8_weight(n, k), scale, torch.randn(m, k, dtype=torch.bfloat16))
+    try:
+        got = fp8_gemm(x, weight, scale, block_size=block, backend=backend)
+    except RuntimeError as exc:  # torch._scaled_mm without blockwise scaling here (cuBLAS < 12.9, not sm_90)
+        pytest.skip(f"torch refuses blockwise _scaled_mm: {str(exc).splitlines()[0]}")
+    assert rel_err(got, ref.fp8_linear_reference(x, weight, scale, block_size=block)) < BF16
+
+
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_nvfp4_gemm(m):
+    packed, scale, scale_2, x, bias = cuda(*nvfp4_weight(4096 + 48, 4096),
+                                           torch.randn(m, 4096, dtype=torch.bfloat16),
+                                           torch.randn(4096 + 48, dtype=torch.bfloat16))
+    got = nvfp4_gemm(x, packed, scale, scale_2, bias)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, bias)) < BF16
+
+
+def test_gemvs_replay_in_a_cuda_graph():
+    """Launched with PDL on sm_90 (kernels/pdl.py): a captured replay computes what the eager call did."""
+    weight, scale = cuda(fp8_weight(4096, 4096), torch.rand(4096) * 0.01)
+    packed, nv_scale, scale_2 = cuda(*nvfp4_weight(4096, 4096))
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = [lambda: fp8_gemv(x, weight, scale), lambda: nvfp4_gemv(x, packed, nv_scale, scale_2)]
+    for call in calls:  # compiled outside the capture
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [call() for call in calls]
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    eager = [call() for call in calls]
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
