@@ -1,7 +1,8 @@
 """load_weights: materialize every parameter and buffer on the target device.
 
-Checkpoint tensors stream one at a time; a tensor with registered load hooks (fusion, sharding,
-quantization) goes to its hooks, any other is copied into the parameter of the same name. A
+Checkpoint tensors stream one at a time, each cut to this rank's slice first where sharding
+registered one (``ctx.weight_slices``: only the slice is read); a tensor with registered load hooks
+(fusion, quantization) goes to its hooks, any other is copied into the parameter of the same name. A
 parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
 checkpoint; it counts as loaded once its hooks report every piece delivered. With
 ``weights: random`` parameters are filled on the device instead (benchmarks). Afterwards factory
@@ -71,7 +72,7 @@ class LoadWeights(Pass):
 
     def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
         needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
-        source = choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
+        source = choose_weight_source(ctx.checkpoint, needed, ctx.dtype, ctx.weight_slices)
         count, unexpected = 0, []
         items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
         for name, tensor in items:
