@@ -107,6 +107,8 @@ def init_tensor_parallel(
     backend = "nccl" if resolved.type == "cuda" else "gloo"
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
+    else:  # the ranks of one host share its cores: each takes its share of intra-op threads
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size)))
     if not dist.is_initialized():
         _init_default_group(world_size, rank, backend, store, timeout_s, resolved)
     if dist.get_world_size() != world_size:

@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from autodeploy import distributed
+from autodeploy.errors import ConfigError
 from autodeploy.export import get_tensor_attr, set_tensor_attr
 from autodeploy.graph.meta import fake_mode_of, propagate_meta
 from autodeploy.ops.collectives import enable_fast_all_reduce
@@ -79,16 +80,24 @@ class Shard(Pass):
 def plan_for_checkpoint(model_dir, **options) -> ShardPlan:
     """The plan ``autodeploy.compile(model_dir, **options)`` would apply (``tp_size`` >= 2): the model
     built on meta, exported and run through the passes before ``shard``; no weights, no processes."""
+    ctx, entries = context_before_shard(model_dir, **options)
+    if ctx.config.tp_size < 2:
+        raise ConfigError("a tensor-parallel plan needs tp_size of 2 or more (--tp_size)")
+    shard = next((e for e in entries if e.name == Shard.name and e.config.enabled), None)
+    if shard is None:
+        raise ConfigError("the pipeline has no enabled 'shard' pass")
+    return Shard(shard.config).plan(ctx)
+
+
+def context_before_shard(model_dir, **options) -> tuple[CompileContext, list]:
+    """A compile context as the ``shard`` pass receives it (on meta), and the pipeline's entries."""
     from autodeploy.compiler import model_max_len
     from autodeploy.config import CompileConfig, validate
-    from autodeploy.errors import ConfigError
     from autodeploy.export import export_model
     from autodeploy.model_loading import build_meta_model, open_checkpoint, resolve_dtype, resolve_model_path
     from autodeploy.pipeline import load_pipeline, run_pipeline
 
     config = validate(CompileConfig, options, "compile options")
-    if config.tp_size < 2:
-        raise ConfigError("a tensor-parallel plan needs tp_size of 2 or more (--tp_size)")
     checkpoint = open_checkpoint(resolve_model_path(model_dir), trust_remote_code=config.trust_remote_code,
                                  require_weights=False)
     dtype = resolve_dtype(checkpoint.config, config.dtype)
@@ -98,10 +107,7 @@ def plan_for_checkpoint(model_dir, **options) -> ShardPlan:
     ctx.artifacts["max_seq_len"] = config.max_seq_len or model_max_len(checkpoint.config)
     entries = load_pipeline(config.pipeline, config.passes)
     run_pipeline(ctx, [e for e in entries if e.pass_cls.stage < Stage.SHARD])
-    shard = next((e for e in entries if e.name == Shard.name and e.config.enabled), None)
-    if shard is None:
-        raise ConfigError("the pipeline has no enabled 'shard' pass")
-    return Shard(shard.config).plan(ctx)
+    return ctx, entries
 
 
 def apply_plan(ctx: CompileContext, plan: ShardPlan, rank: int) -> None:

@@ -23,3 +23,14 @@ def tiny_served(tmp_path_factory):
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tp_llama"), vocab_size=fixtures.VOCAB_SIZE)
     fixtures.train_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """The tiny references run with one intra-op thread, as the ranks beside them do (2-core CI)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -43,23 +43,32 @@ def greedy_run(model, prompt_ids: list[list[int]], steps: int, chunk_size: int =
     return rows, tokens
 
 
-def tp_greedy(rank: int, store, world: int, model_dirs: dict[str, str], options: dict, steps: int):
-    """Compile each model over the job and run ``greedy_run`` from rank 0; the others follow."""
+def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], steps: int):
+    """Check the collective ops, then compile each ``(checkpoint, options)`` over the job and run
+    ``greedy_run`` from rank 0 while the others follow its steps. Rank 0 returns everything."""
     job = init_tensor_parallel(world, rank, store=store, device="cpu")
-    out = {}
-    for name, path in model_dirs.items():
-        model = compile_model(path, tp_size=world, **options)
+    out = {"collectives": collective_results(rank, world)}
+    for name, (path, options) in runs.items():
+        model = compile_model(path, tp_size=world, **OPTIONS, **options)
         if job.is_driver:
             model.publisher = StepPublisher(current())
             out[name] = greedy_run(model, prompts(), steps)
             model.publisher.stop()
         else:
             follow_steps(model, job)
-    return out if job.is_driver else None
+    return out if job.is_driver else out["collectives"]
+
+
+def collective_results(rank: int, world: int) -> dict[str, list]:
+    """The collective ops on values that differ per rank (the test knows what each must give)."""
+    x = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+    reduced = torch.ops.autodeploy.all_reduce(x, current().group_name)
+    gathered = torch.ops.autodeploy.all_gather(x, -1, current().group_name)
+    return {"all_reduce": reduced.tolist(), "all_gather": gathered.tolist(), "input": x.tolist()}
 
 
 def reference(path: str, options: dict, steps: int):
-    return greedy_run(compile_model(path, **options), prompts(), steps)
+    return greedy_run(compile_model(path, **OPTIONS, **options), prompts(), steps)
 
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
