@@ -76,6 +76,7 @@ def compile_config(
             checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
         )
         ctx.artifacts["max_seq_len"] = max_seq_len
+        ctx.artifacts["exported_parameters"] = {n: (tuple(p.shape), p.dtype) for n, p in gm.named_parameters()}
         ctx.artifacts["compile_workers"] = workers
         start = time.perf_counter()
         records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))

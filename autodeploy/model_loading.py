@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,28 @@ class TransformersSource(WeightSource):
             tensor = state.pop(name)
             yield name, self.slices[name](tensor) if name in self.slices else tensor
         self._state = None
+
+
+class RandomSource(WeightSource):
+    """Random tensors made on ``device`` in place of a checkpoint: N(0, ``std``) for matrices, ones for
+    vectors (norm weights), each seeded by its name, so a name has the same value on every
+    tensor-parallel rank (before its slice is cut) and in every pipeline (fused or not)."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device, std: float,
+                 slices: Slices | None = None):
+        self.shapes, self.device, self.std, self.slices = shapes, device, std, slices or {}
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (shape, dtype) in self.shapes.items():
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            if len(shape) >= 2:
+                tensor.normal_(0.0, self.std, generator=torch.Generator(self.device).manual_seed(zlib.crc32(name.encode())))
+            else:
+                tensor.fill_(1.0)
+            yield name, self.slices[name](tensor) if name in self.slices else tensor
 
 
 def choose_weight_source(
