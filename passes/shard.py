@@ -35,8 +35,9 @@ from autodeploy.graph.meta import fake_mode_of, propagate_meta
 from autodeploy.ops.collectives import enable_fast_all_reduce
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
-from .shard_plan import ShardGroup, ShardPlan, derive_plan, hf_disagreements
-from .shard_split import linear_parts
+from .shard_groups import ShardGroup
+from .shard_plan import ShardPlan, derive_plan, hf_disagreements
+from .shard_split import Fix, SliceFix, linear_parts
 
 log = logging.getLogger("autodeploy.shard")
 aten = torch.ops.aten
@@ -119,7 +120,7 @@ def apply_plan(ctx: CompileContext, plan: ShardPlan, rank: int) -> None:
             _localize_parameter(gm, shard.name, shard.local_shape())
             ctx.weight_slices[shard.name] = functools.partial(shard.read, rank=rank, world=plan.tp_size)
         for fix in group.fixes:
-            _divide_literal(nodes[fix.node], fix.position, fix.factor)
+            _fix(nodes[fix.node], fix)
         for name in group.after:
             _complete(gm, nodes[name], group)
         if group.experts:
@@ -137,9 +138,13 @@ def _localize_parameter(gm: fx.GraphModule, name: str, shape: tuple[int, ...]) -
             reader.meta["val"] = torch.empty(shape, dtype=old.dtype, device=reader.meta["val"].device)
 
 
-def _divide_literal(node: fx.Node, position: int, factor: int) -> None:
+def _fix(node: fx.Node, fix: Fix) -> None:
+    """A size that counted the whole split dimension becomes the rank's."""
+    if isinstance(fix, SliceFix):
+        node.args = (node.args[0], node.args[1], fix.start, fix.end, *node.args[4:])
+        return
     shape = list(node.args[1])
-    shape[position] = shape[position] // factor
+    shape[fix.position] = shape[fix.position] // fix.factor
     node.args = (node.args[0], shape, *node.args[2:])
 
 

@@ -52,6 +52,18 @@ class LiteralFix:
     factor: int
 
 
+@dataclass(frozen=True)
+class SliceFix:
+    """Node ``node`` (a slice of a fused projection's output or weight) takes ``[start, end)`` instead."""
+
+    node: str
+    start: int
+    end: int
+
+
+Fix = LiteralFix | SliceFix
+
+
 @dataclass
 class Traced:
     splits: dict[fx.Node, Split] = field(default_factory=dict)

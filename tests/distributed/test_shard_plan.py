@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 
 from autodeploy.cli import main
 from autodeploy.passes.shard import Shard, ShardConfig, context_before_shard, plan_for_checkpoint
-from autodeploy.passes.shard_plan import Part, ParamShard, derive_plan, hf_disagreements
-from autodeploy.passes.shard_split import ShardError
+from autodeploy.passes.shard_groups import Part, ParamShard
+from autodeploy.passes.shard_plan import derive_plan, hf_disagreements
+from autodeploy.passes.shard_split import ShardError, SliceFix
 from autodeploy.testing import export_for_test
 from autodeploy.tiny import make_tiny_checkpoint
 
@@ -72,6 +73,19 @@ def test_unsupported_splits_are_refused_at_compile_time(llama_ctx, tmp_path):
     olmo2 = make_tiny_checkpoint("olmo2", tmp_path / "olmo2")  # q/k norms over all heads at once
     with pytest.raises(ShardError, match="rms_norm.*across the sharded dimension"):
         plan_for_checkpoint(olmo2, tp_size=2, **OPTIONS)
+
+
+def test_fused_checkpoint_projections_are_sharded_per_part(tmp_path):
+    """Phi-3 stores q/k/v in one projection (its output sliced) and gate/up in one tensor (sliced)."""
+    ctx, _ = context_before_shard(make_tiny_checkpoint("phi3", tmp_path / "phi3"), **OPTIONS)
+    attention, mlp = derive_plan(ctx.gm, 2).groups[:2]
+    qkv, gate_up = attention.params[0], mlp.params[0]
+    assert (qkv.name, qkv.parts) == ("model.layers.0.self_attn.qkv_proj.weight",
+                                     (Part(0, 64, 2), Part(64, 32, 2), Part(96, 32, 2)))
+    assert [(f.start, f.end) for f in attention.fixes if isinstance(f, SliceFix)] == [(0, 32), (32, 48), (48, 64)]
+    assert [p.local(1, 2) for p in qkv.parts] == [(32, 32), (80, 16), (112, 16)]  # rank 1: q heads 2-3, kv head 1
+    assert (gate_up.parts, [(f.start, f.end) for f in mlp.fixes]) == ((Part(0, 128, 2), Part(128, 128, 2)),
+                                                                       [(0, 64), (64, 128)])
 
 
 def test_the_models_own_tp_plan_agrees(llama_ctx):

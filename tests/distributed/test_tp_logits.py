@@ -37,10 +37,13 @@ def test_llama_over_two_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_qwen3_gpt_neox_and_moe_over_two_ranks(tmp_path):
-    paths = _checkpoints(tmp_path, "qwen3", "gpt_neox", "qwen3_moe")
+def test_qwen3_gpt_neox_moe_and_fused_checkpoints_over_two_ranks(tmp_path):
+    """Also: MoE split by expert; phi3 (q/k/v and gate/up stored fused: sharded per part); random
+    weights (seeded by name: every rank slices the same model)."""
+    paths = _checkpoints(tmp_path, "qwen3", "gpt_neox", "qwen3_moe", "phi3")
     runs = {name: (path, {}) for name, path in paths.items()}
     runs["qwen3_moe by expert"] = (paths["qwen3_moe"], {"passes": {"shard": {"moe": "expert"}}})
+    runs["qwen3 random weights"] = (paths["qwen3"], {"weights": "random"})
     results = run_on_ranks(2, tp_greedy, 2, runs, STEPS)[0]
     _check(results, runs)
 
