@@ -11,6 +11,7 @@ tensor) is sharded per part, and the slices' bounds become the local ones (:clas
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from dataclasses import dataclass
@@ -92,6 +93,10 @@ def find_groups(gm: fx.GraphModule, world: int, *, lm_head: bool, moe: str) -> t
     groups.extend(_plain_mlp_groups(gm, tracer, world, groups, notes))
     if lm_head:
         groups.extend(_lm_head_group(gm, world, notes))
+    sharded = {p.name for g in groups for p in g.params}
+    whole = [n.name for n in gm.graph.nodes if (a := linear_parts(n)) and str(getattr(a["weight"], "target", "")) not in sharded]
+    if whole:
+        notes.append(f"{len(whole)} linear layers stay whole on every rank (e.g. routers): {', '.join(whole[:6])}")
     return groups, notes
 
 
@@ -141,34 +146,45 @@ def _linear_group(kind: str, columns: dict[fx.Node, tuple[Part, ...]], traced: T
 
 
 def _column_params(linear: fx.Node, parts: tuple[Part, ...]) -> list[ParamShard]:
-    """Weight, bias and per-output-channel scales: along the output features, part by part."""
+    """Weight, bias and scales along the output features, part by part: a per-channel scale row by
+    row, a per-block scale ``[N / bn, ...]`` block row by block row; per-tensor scales stay whole."""
     args = linear_parts(linear)
-    out_features = val(args["weight"]).shape[0]
+    out_features = int(val(args["weight"]).shape[0])
     shards = []
     for key, arg in args.items():
         if key == "input" or not is_param(arg):
             continue
         shape = tuple(val(arg).shape)
-        if shape and shape[0] == out_features and len(shape) <= 2:
-            shards.append(ParamShard(str(arg.target), "column", shape, 0, parts))
-        elif key in ("weight", "bias"):
-            raise ShardError(f"{linear.name}: cannot shard its {key} of shape {list(shape)}")
+        if math.prod(shape) == 1 and key not in ("weight", "bias"):
+            continue  # one value for the whole tensor
+        if not shape or len(shape) > 2 or out_features % shape[0]:
+            raise ShardError(f"{linear.name}: cannot shard its {key} of shape {list(shape)} by output features")
+        shards.append(ParamShard(str(arg.target), "column", shape, 0, _in_blocks(parts, out_features // shape[0], linear, key)))
     return shards
 
 
+def _in_blocks(parts: tuple[Part, ...], block: int, node: fx.Node, key: str) -> tuple[Part, ...]:
+    if block == 1:
+        return parts
+    if any(p.start % block or p.size % (block * p.factor) for p in parts):
+        raise ShardError(f"{node.name}: the {block}-row blocks of its {key} straddle the ranks' slices")
+    return tuple(Part(p.start // block, p.size // block, p.factor) for p in parts)
+
+
 def _row_params(linear: fx.Node, split: Split) -> list[ParamShard]:
-    """The weight (and 2-d per-block scales) along the input features; bias and per-channel scales whole."""
+    """The weight and its 2-d scales along the input features, in proportion (packed FP4 bytes,
+    per-block scales); bias and per-channel or per-tensor scales stay whole."""
     args = linear_parts(linear)
-    out_features = val(args["weight"]).shape[0]
+    in_features = int(val(args["input"]).shape[-1])
     shards = []
     for key, arg in args.items():
-        if key in ("input", "bias") or not is_param(arg):
+        if key in ("input", "bias") or not is_param(arg) or val(arg).dim() != 2:
             continue
         shape = tuple(val(arg).shape)
-        if len(shape) == 2 and shape[0] == out_features:
-            if shape[1] % split.factor:
-                raise ShardError(f"{linear.name}: {key} of shape {list(shape)} cannot be cut in {split.factor}")
-            shards.append(ParamShard(str(arg.target), "row", shape, 1, (Part(0, shape[1], split.factor),)))
+        if in_features % shape[1] or shape[1] % split.factor:
+            raise ShardError(f"{linear.name}: {key} of shape {list(shape)} cannot be cut in {split.factor} "
+                             f"along {in_features} input features")
+        shards.append(ParamShard(str(arg.target), "row", shape, 1, (Part(0, shape[1], split.factor),)))
     return shards
 
 

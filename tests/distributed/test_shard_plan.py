@@ -1,6 +1,8 @@
 """The tensor-parallel plan, without processes or devices: derived from the canonical graph, exact
 for Llama, refusing what it cannot split, a no-op at tp_size 1; scales sliced with their weights."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,6 +106,15 @@ def test_tp_size_1_leaves_the_graph_alone(llama_ctx):
     assert llama_ctx.gm.code == before and llama_ctx.weight_slices == {}
 
 
+def test_parameters_an_earlier_pass_builds_are_refused(llama_ctx):
+    """Load hooks of an earlier pass (quantize) expect whole tensors: sharding their parameters is
+    refused at compile time, not left to fail (or worse) while loading."""
+    ctx = dataclasses.replace(llama_ctx, config=llama_ctx.config.model_copy(update={"tp_size": 2}),
+                              hook_targets={"model.layers.0.self_attn.q_proj.weight": lambda: True})
+    with pytest.raises(ShardError, match="1 planned parameters are built by an earlier pass's load hooks.*q_proj"):
+        Shard(ShardConfig()).apply(ctx)
+
+
 def test_a_slice_reads_only_its_part_from_safetensors(tmp_path):
     full = torch.arange(4 * 6 * 3, dtype=torch.float32).view(4, 6, 3)  # an MoE gate_up: [experts, 2 x 3, hidden]
     save_file({"w": full}, tmp_path / "w.safetensors")
@@ -156,3 +167,41 @@ def test_quantized_linear_scales_are_sliced_with_their_weights():
         hidden = F.gelu(scaled_linear(x, local["up"], local["up_scale"], local["in_up"]))
         partial.append(F.linear(hidden * local["in_down"], local["down"]))
     torch.testing.assert_close(sum(partial) * params["down_scale"], module(x), rtol=1e-5, atol=1e-5)
+
+
+@torch.library.custom_op("tp_test::block_scaled_linear", mutates_args=())
+def block_scaled_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a block-quantized linear: one scale per 4 x 4 block of the weight."""
+    return F.linear(input, weight * weight_scale.repeat_interleave(4, 0).repeat_interleave(4, 1))
+
+
+@block_scaled_linear.register_fake
+def _(input, weight, weight_scale):
+    return input.new_empty(*input.shape[:-1], weight.shape[0])
+
+
+class _BlockScaledMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.up_scale = torch.nn.Parameter(torch.randn(32, 16)), torch.nn.Parameter(torch.rand(8, 4) + 0.5)
+        self.down, self.down_scale = torch.nn.Parameter(torch.randn(16, 32)), torch.nn.Parameter(torch.rand(4, 8) + 0.5)
+
+    def forward(self, x):
+        return block_scaled_linear(F.relu(block_scaled_linear(x, self.up, self.up_scale)), self.down, self.down_scale)
+
+
+def test_block_scales_are_sliced_in_whole_blocks():
+    module = _BlockScaledMLP()
+    x = torch.randn(3, 16)
+    (group,) = derive_plan(export_for_test(module, (x,), {0: 0}), 2, lm_head=False).groups
+    assert [(p.name, p.dim, p.local_shape()) for p in group.params] == [
+        ("up", 0, (16, 16)), ("up_scale", 0, (4, 4)), ("down", 1, (16, 16)), ("down_scale", 1, (4, 4))]
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    partial = []
+    for rank in range(2):
+        local = {p.name: p.read(params[p.name], rank, 2) for p in group.params}
+        hidden = F.relu(block_scaled_linear(x, local["up"], local["up_scale"]))
+        partial.append(block_scaled_linear(hidden, local["down"], local["down_scale"]))
+    torch.testing.assert_close(sum(partial), module(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ShardError, match="4-row blocks of its weight_scale straddle"):
+        derive_plan(export_for_test(module, (x,), {0: 0}), 16, lm_head=False)
