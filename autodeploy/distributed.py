@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -34,7 +34,7 @@ _CONTROL_TIMEOUT = timedelta(days=365)  # waiting for the next step while the se
 _GROUP_NAME = "autodeploy_tp"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorParallel:
     """This process's place in the tensor-parallel job."""
 
@@ -44,7 +44,6 @@ class TensorParallel:
     device_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
     backend: str
-    fast_all_reduce: "object | None" = field(default=None, repr=False)  # ops.collectives.SymmetricAllReduce
 
     @property
     def group_name(self) -> str:

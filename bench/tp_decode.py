@@ -40,13 +40,15 @@ def compile_rank(args, tp: int, dtype: str, max_batch: int, fast_bytes: int):
     from transformers import LlamaConfig
 
     from autodeploy.compiler import compile_config
-    from autodeploy.config import CompileConfig
+    from autodeploy.config import CompileConfig, parse_set_option, set_dotted
 
     max_seq_len = args.context + 2 * args.steps + 64
-    config = CompileConfig(weights="random", dtype=dtype, device=args.device, tp_size=tp, max_batch_size=max_batch,
-                           max_seq_len=max_seq_len, num_kv_blocks=max_batch * (-(-max_seq_len // 16)) + 1,
-                           passes={"shard": {"fast_all_reduce_max_bytes": fast_bytes}})
-    return compile_config(LlamaConfig(**SHAPES[args.shape], dtype=dtype), config)
+    fields = dict(weights="random", dtype=dtype, device=args.device, tp_size=tp, max_batch_size=max_batch,
+                  max_seq_len=max_seq_len, num_kv_blocks=max_batch * (-(-max_seq_len // 16)) + 1,
+                  passes={"shard": {"fast_all_reduce_max_bytes": fast_bytes}})
+    for item in args.set:  # e.g. passes.compile_cuda_graphs.enabled=false
+        set_dotted(fields, *parse_set_option(item))
+    return compile_config(LlamaConfig(**SHAPES[args.shape], dtype=dtype), CompileConfig(**fields))
 
 
 def sync(device) -> None:
@@ -163,6 +165,8 @@ def main() -> None:
     parser.add_argument("--fast-all-reduce", type=int, default=0, metavar="BYTES",
                         help="also run TP=N with the symmetric-memory one-shot all-reduce up to BYTES")
     parser.add_argument("--skip", default="", help="phases to skip: check, time")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="compile setting of every configuration (dotted key), e.g. passes.warm_up.enabled=false")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds per configuration")
     args = parser.parse_args()
     configs = [(args.tp, 0)] + ([(args.tp, args.fast_all_reduce)] if args.fast_all_reduce else [])

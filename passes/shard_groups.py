@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from .gather_logits import find_lm_head
-from .shard_split import _ELEMENTWISE, _SAME, Fix, ShardError, SliceFix, Split, SplitTracer, Traced, is_param, linear_parts, val
+from .shard_split import ELEMENTWISE_OPS, SAME_SPLIT_OPS, Fix, ShardError, SliceFix, Split, SplitTracer, Traced, is_param, linear_parts, val
 
 aten = torch.ops.aten
 AD = torch.ops.autodeploy
@@ -317,7 +317,7 @@ def _mlp_sources(x) -> list[fx.Node] | None:
         seen.add(node)
         if linear_parts(node) is not None:
             found.append(node)
-        elif node.op == "call_function" and node.target in _ELEMENTWISE | _SAME:
+        elif node.op == "call_function" and node.target in ELEMENTWISE_OPS | SAME_SPLIT_OPS:
             stack.extend(a for a in node.args if isinstance(a, fx.Node) and not is_param(a))
         else:
             return None

@@ -73,9 +73,9 @@ class Traced:
     fixes: list[LiteralFix] = field(default_factory=list)
 
 
-_SAME = {aten.contiguous.default, aten.clone.default, aten.alias.default, aten.to.dtype, aten._to_copy.default,
+SAME_SPLIT_OPS = {aten.contiguous.default, aten.clone.default, aten.alias.default, aten.to.dtype, aten._to_copy.default,
          aten.to.dtype_layout, aten.to.device, aten.detach.default, aten.type_as.default}
-_ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
+ELEMENTWISE_OPS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
                 aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.neg.default,
                 aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.tanh.default,
                 aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.relu.default, aten.abs.default,
@@ -185,7 +185,7 @@ class SplitTracer:
 
 
 def _through_casts(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _SAME and len(node.users) == 1:
+    while node.op == "call_function" and node.target in SAME_SPLIT_OPS and len(node.users) == 1:
         node = node.args[0]
     return node
 
@@ -354,8 +354,8 @@ def _attention(tracer, node, out) -> Split:
 
 
 _RULES = {
-    **{op: _same for op in _SAME},
-    **{op: _elementwise for op in _ELEMENTWISE},
+    **{op: _same for op in SAME_SPLIT_OPS},
+    **{op: _elementwise for op in ELEMENTWISE_OPS},
     **{op: _view for op in _VIEWS},
     **{op: _reduction for op in _REDUCTIONS},
     aten.transpose.int: _transpose,

@@ -38,8 +38,9 @@ class WorkerDied(RuntimeError):
 class TensorParallelWorkers:
     """Rank 0's side of a tensor-parallel server: its job, its workers, their watchdog."""
 
-    def __init__(self, job: TensorParallel, processes: list):
+    def __init__(self, job: TensorParallel, processes: list, store=None):
         self.job, self.processes = job, processes
+        self._store = store  # rank 0 hosts the rendezvous for the job's lifetime
         self.publisher: StepPublisher | None = None
         self.failure: str | None = None
         self._on_failure: Callable[[WorkerDied], None] | None = None
@@ -56,9 +57,7 @@ class TensorParallelWorkers:
             return cls(init_tensor_parallel(world, device=device), [])
         store, rendezvous = host_store(world)
         processes = spawn_ranks(rendezvous, _worker_main, (model_dir, compile_options, log_level), range(1, world))
-        workers = cls(init_tensor_parallel(world, 0, store=store, device=device), processes)
-        workers._store = store  # keeps the rendezvous alive for the job's lifetime
-        return workers
+        return cls(init_tensor_parallel(world, 0, store=store, device=device), processes, store)
 
     def attach(self, model, on_failure: Callable[[WorkerDied], None]) -> list[str]:
         """Rank 0's model publishes its steps from now on; returns the start-up report's lines."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..distributed import resolve_group
 
 log = logging.getLogger("autodeploy.collectives")
+_FAST: dict[str, "SymmetricAllReduce"] = {}  # group name -> its small-input path, where switched on
 # torch 2.13 renamed all_gather_into_tensor (kept, deprecated); 2.11 has only the old name
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -31,7 +32,7 @@ _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_int
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``group``."""
     job = resolve_group(group)
-    fast = job.fast_all_reduce
+    fast = _FAST.get(group)
     if fast is not None and fast.takes(x):
         return fast(x)
     out = x.clone()
@@ -101,7 +102,7 @@ def enable_fast_all_reduce(dtype: torch.dtype, max_bytes: int) -> bool:
     if job is None or max_bytes <= 0 or job.device.type != "cuda":
         return False
     try:
-        job.fast_all_reduce = SymmetricAllReduce(job.device_group, job.group_name, job.device, dtype, max_bytes)
+        _FAST[job.group_name] = SymmetricAllReduce(job.device_group, job.group_name, job.device, dtype, max_bytes)
     except Exception as exc:  # noqa: BLE001 (an optional fast path: NCCL is always correct)
         log.warning("symmetric-memory all-reduce unavailable (%s: %s); every all-reduce takes NCCL",
                     type(exc).__name__, exc)
