@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import queue
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -92,7 +93,7 @@ def _collect(results, processes: list[mp.Process], timeout_s: float) -> list[Any
 def _rank_main(rendezvous: Rendezvous, rank: int, target: Callable, args: tuple, results) -> None:
     try:
         value = target(rank, rendezvous.connect(rank), *args)
-    except BaseException:  # noqa: BLE001 (reported to the parent with the traceback)
+    except BaseException:
         if results is None:
             raise
         results.put((rank, False, traceback.format_exc()))

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import SHAPES, decode_chunks  # noqa: E402
+from decode_bench import SHAPES, decode_chunks  # noqa: E402  (after the path: bench/ is no package)
 
 SHAPES = {**SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024,

@@ -20,7 +20,19 @@ import torch
 from torch import fx
 
 from .gather_logits import find_lm_head
-from .shard_split import ELEMENTWISE_OPS, SAME_SPLIT_OPS, Fix, ShardError, SliceFix, Split, SplitTracer, Traced, is_param, linear_parts, val
+from .shard_split import (
+    ELEMENTWISE_OPS,
+    SAME_SPLIT_OPS,
+    Fix,
+    ShardError,
+    SliceFix,
+    Split,
+    SplitTracer,
+    Traced,
+    is_param,
+    linear_parts,
+    val,
+)
 
 aten = torch.ops.aten
 AD = torch.ops.autodeploy

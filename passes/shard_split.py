@@ -164,7 +164,6 @@ class SplitTracer:
             raise ShardError(f"{node.name}: a row-parallel linear's weight must be a parameter")
         out.sinks.append(node)
         out.sink_splits[node.name] = split
-        return None
 
     # ---- helpers the rules share ----------------------------------------------------------------
 

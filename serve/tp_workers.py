@@ -19,8 +19,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class TensorParallelWorkers:
             threading.Thread(target=self._watch, name="autodeploy-tp-watchdog", daemon=True).start()
 
     @classmethod
-    def start(cls, model_dir: str, compile_options: dict[str, Any], log_level: str = "warning") -> "TensorParallelWorkers":
+    def start(cls, model_dir: str, compile_options: dict[str, Any], log_level: str = "warning") -> TensorParallelWorkers:
         """Join the job as rank 0: start ranks 1..N-1 here, or (under torchrun) meet the others."""
         world = compile_options["tp_size"]
         device = compile_options.get("device", "auto")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..distributed import resolve_group
 
 log = logging.getLogger("autodeploy.collectives")
-_FAST: dict[str, "SymmetricAllReduce"] = {}  # group name -> its small-input path, where switched on
+_FAST: dict[str, SymmetricAllReduce] = {}  # group name -> its small-input path, where switched on
 # torch 2.13 renamed all_gather_into_tensor (kept, deprecated); 2.11 has only the old name
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -6,14 +6,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from autodeploy.passes.shard import Shard, ShardConfig, context_before_shard, plan_for_checkpoint
+from autodeploy.passes.shard_groups import ParamShard, Part
+from autodeploy.passes.shard_plan import derive_plan, hf_disagreements
+from autodeploy.passes.shard_split import ShardError, SliceFix
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from autodeploy.cli import main
-from autodeploy.passes.shard import Shard, ShardConfig, context_before_shard, plan_for_checkpoint
-from autodeploy.passes.shard_groups import Part, ParamShard
-from autodeploy.passes.shard_plan import derive_plan, hf_disagreements
-from autodeploy.passes.shard_split import ShardError, SliceFix
 from autodeploy.testing import export_for_test
 from autodeploy.tiny import make_tiny_checkpoint
 

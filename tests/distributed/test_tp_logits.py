@@ -4,11 +4,10 @@ tokens equal the single-process compiled model's, step by step (chunked prefills
 
 import pytest
 import torch
+from tp_programs import max_diff, reference, tp_greedy
 
 from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.tiny import make_tiny_checkpoint
-
-from tp_programs import max_diff, reference, tp_greedy
 
 STEPS = 16
 
