@@ -1,6 +1,7 @@
 """The ``autodeploy`` command line.
 
-Built-in subcommands: ``compile`` (per-pass table and canonical-op counts), ``check`` (the
+Built-in subcommands: ``compile`` (per-pass table and canonical-op counts, or with ``--print-plan``
+the tensor-parallel plan), ``check`` (the
 correctness canary against HF eager) and ``tiny`` (write a tiny random checkpoint). Other packages
 add subcommands through ``SUBCOMMANDS`` (lazy ``"module:function"`` entries taking the subparsers).
 Flags use TensorRT-LLM's underscore spelling; the dash spelling is accepted too.
@@ -25,7 +26,7 @@ SUBCOMMANDS.register_lazy("bench", "autodeploy.serve.cli:add_bench_command")
 COMPILE_FLAGS: list[tuple[str, type]] = [
     ("dtype", str), ("device", str), ("max_seq_len", int), ("max_batch_size", int), ("max_num_tokens", int),
     ("tokens_per_block", int), ("kv_cache_free_gpu_memory_fraction", float), ("num_kv_blocks", int),
-    ("attn_implementation", str), ("attention_backend", str), ("weights", str), ("pipeline", str),
+    ("attn_implementation", str), ("attention_backend", str), ("weights", str), ("pipeline", str), ("tp_size", int),
 ]
 
 
@@ -72,6 +73,11 @@ def compile_options(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_compile(args: argparse.Namespace) -> int:
     from .compiler import compile as compile_model
 
+    if args.print_plan:
+        from .passes.shard import plan_for_checkpoint
+
+        print("\n".join(plan_for_checkpoint(args.model_dir, **compile_options(args)).lines()))
+        return 0
     model = compile_model(args.model_dir, **compile_options(args))
     report = model.report
     print(f"model: {report.architecture} ({report.model_type}), dtype {report.dtype}, device {report.device}")
@@ -107,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile a checkpoint; print the per-pass table and canonical-op counts")
     p.add_argument("model_dir", help="HF checkpoint directory (config.json + *.safetensors), or a .gguf file")
     flag(p, "dump_graphs", metavar="DIR", help="write every intermediate graph to DIR")
+    flag(p, "print_plan", action="store_true",
+         help="print the tensor-parallel plan for --tp_size (no weights loaded, no processes) and exit")
     add_compile_options(p)
     p.set_defaults(func=cmd_compile)
 

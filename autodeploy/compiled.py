@@ -63,6 +63,7 @@ class CompiledModel:
         self.report = report
         self.model_dir = model_dir
         self.cuda_graphs = cuda_graphs
+        self.publisher = None  # tensor parallel, rank 0: a StepPublisher sends each step to the other ranks
         # metadata staging buffers sized for the largest step (max_num_tokens, max_batch_size, max_seq_len)
         largest = Padding(config.max_num_tokens, config.max_batch_size, capacity.max_blocks_per_seq)
         self._buffers = StepBuffers(largest.metadata_size, report.device)
@@ -106,10 +107,12 @@ class CompiledModel:
         next step.
         """
         if self.cuda_graphs is not None and self.cuda_graphs.fits(chunks):
-            return self.cuda_graphs.run(chunks, deferred)
+            return self.cuda_graphs.run(chunks, deferred, self.publisher)
         batch = self.prepare(chunks)
         if deferred is not None:
             deferred.write(batch.input_ids)
+        if self.publisher is not None:
+            self.publisher.eager(batch)
         return self.forward(batch)
 
 

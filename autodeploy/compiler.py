@@ -51,7 +51,7 @@ def compile_config(
     if checkpoint is None and config.weights != "random":
         raise ConfigError("compiling from a config alone needs weights='random'")
     timings: dict[str, float] = {}
-    device = resolve_device(config.device)
+    device = _tensor_parallel_device(config) or resolve_device(config.device)
     dtype = resolve_dtype(hf_config, config.dtype)
 
     start = time.perf_counter()
@@ -76,6 +76,7 @@ def compile_config(
             checkpoint=checkpoint, buffers=buffers, dump_dir=_dump_dir(config),
         )
         ctx.artifacts["max_seq_len"] = max_seq_len
+        ctx.artifacts["exported_parameters"] = {n: (tuple(p.shape), p.dtype) for n, p in gm.named_parameters()}
         ctx.artifacts["compile_workers"] = workers
         start = time.perf_counter()
         records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
@@ -125,6 +126,16 @@ def _start_compile_workers(config: CompileConfig, device: torch.device):
     from .kernels.compile_workers import start_compile_workers  # triton only where asked for
 
     return start_compile_workers(config.compile_workers, device)
+
+
+def _tensor_parallel_device(config: CompileConfig) -> torch.device | None:
+    """With ``tp_size`` > 1: join the job (started by ``autodeploy serve`` or torchrun) and use this
+    rank's device."""
+    if config.tp_size == 1:
+        return None
+    from .distributed import init_tensor_parallel
+
+    return init_tensor_parallel(config.tp_size, device=config.device).device
 
 
 def resolve_device(device: str) -> torch.device:

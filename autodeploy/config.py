@@ -36,6 +36,7 @@ class CompileConfig(BaseModel):
         0.9, gt=0, le=1, description="share of free GPU memory (after weights) used for the KV cache"
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="fix the KV-cache size instead of measuring memory")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size: ranks (processes, one GPU each) sharing the model")
     compile_workers: int | None = Field(
         None, ge=0, description="processes compiling start-up's Triton kernels into the disk cache, started "
         "before export (default on CUDA: cores - 1, at most 16; 0: the warm-up's threads alone)"

@@ -95,12 +95,27 @@ class CudaGraphRunner:
             and max(len(c.block_ids) for c in chunks) <= self.max_blocks
         )
 
-    def run(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None) -> torch.Tensor:
-        """Logits of a decode step; valid until the next replay of the same graph."""
+    def run(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None, publisher=None) -> torch.Tensor:
+        """Logits of a decode step; valid until the next replay of the same graph. ``publisher``
+        (tensor parallel, rank 0) sends the staged inputs to the other ranks before the replay."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         captured = self.graphs[size]
         BatchMetadata.refill(chunks, self.pool.block_size, captured.pad, captured.buffers)
         if deferred is not None:
             deferred.write(captured.buffers.input_ids(captured.pad.num_tokens))
+        if publisher is not None:
+            publisher.graph(size, self.staged_input(size))
         captured.graph.replay()
         return captured.output[: len(chunks)]
+
+    def staged_input(self, size: int) -> torch.Tensor:
+        """The device buffer the graph of ``size`` sequences reads its metadata from."""
+        captured = self.graphs[size]
+        return captured.buffers.dev[: captured.pad.metadata_size]
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size`` sequences on whatever its staged input holds (the other
+        tensor-parallel ranks receive rank 0's staged input, then replay)."""
+        captured = self.graphs[size]
+        captured.graph.replay()
+        return captured.output

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -142,14 +143,19 @@ class WeightSource(ABC):
         """The tensors, one at a time."""
 
 
-class SafetensorsSource(WeightSource):
-    """Streams tensors straight from ``*.safetensors`` files (names as stored)."""
+Slices = dict[str, Callable[[Any], torch.Tensor]]  # name -> the part to load, from a lazy slice or a tensor
 
-    def __init__(self, files: tuple[Path, ...]):
+
+class SafetensorsSource(WeightSource):
+    """Streams tensors straight from ``*.safetensors`` files (names as stored); a tensor named in
+    ``slices`` is read through a lazy slice, so only the part it asks for leaves the file."""
+
+    def __init__(self, files: tuple[Path, ...], slices: Slices | None = None):
         from safetensors import safe_open
 
         self._open = safe_open
         self.files = files
+        self.slices = slices or {}
 
     def names(self) -> set[str]:
         out: set[str] = set()
@@ -162,16 +168,20 @@ class SafetensorsSource(WeightSource):
         for f in self.files:
             with self._open(str(f), framework="pt") as handle:
                 for key in handle.keys():
-                    yield key, handle.get_tensor(key)
+                    if key in self.slices:
+                        yield key, self.slices[key](handle.get_slice(key))
+                    else:
+                        yield key, handle.get_tensor(key)
 
 
 class TransformersSource(WeightSource):
     """Loads through ``from_pretrained`` on the CPU, for checkpoints whose stored names or layout
     differ from the model's parameters (transformers' weight conversions, e.g. per-expert MoE
-    weights stacked into one tensor). Costs one host copy of the model."""
+    weights stacked into one tensor). Costs one host copy of the model (``slices`` are cut from it)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, slices: Slices | None = None):
         self.checkpoint, self.dtype = checkpoint, dtype
+        self.slices = slices or {}
         self._state: dict[str, torch.Tensor] | None = None
 
     def _load(self) -> dict[str, torch.Tensor]:
@@ -189,18 +199,43 @@ class TransformersSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         state = self._load()
         for name in list(state):
-            yield name, state.pop(name)
+            tensor = state.pop(name)
+            yield name, self.slices[name](tensor) if name in self.slices else tensor
         self._state = None
 
 
-def choose_weight_source(checkpoint: Checkpoint, param_names: set[str], dtype: torch.dtype) -> WeightSource:
+class RandomSource(WeightSource):
+    """Random tensors made on ``device`` in place of a checkpoint: N(0, ``std``) for matrices, ones for
+    vectors (norm weights), each seeded by its name, so a name has the same value on every
+    tensor-parallel rank (before its slice is cut) and in every pipeline (fused or not)."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device, std: float,
+                 slices: Slices | None = None):
+        self.shapes, self.device, self.std, self.slices = shapes, device, std, slices or {}
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (shape, dtype) in self.shapes.items():
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            if len(shape) >= 2:
+                tensor.normal_(0.0, self.std, generator=torch.Generator(self.device).manual_seed(zlib.crc32(name.encode())))
+            else:
+                tensor.fill_(1.0)
+            yield name, self.slices[name](tensor) if name in self.slices else tensor
+
+
+def choose_weight_source(
+    checkpoint: Checkpoint, param_names: set[str], dtype: torch.dtype, slices: Slices | None = None
+) -> WeightSource:
     """Stream safetensors directly when every parameter is stored under its own name."""
     if checkpoint.is_safetensors:
-        direct = SafetensorsSource(checkpoint.weight_files)
+        direct = SafetensorsSource(checkpoint.weight_files, slices)
         if param_names <= direct.names():
             return direct
     log.info("checkpoint names differ from the model's parameters: loading through transformers")
-    return TransformersSource(checkpoint, dtype)
+    return TransformersSource(checkpoint, dtype, slices)
 
 
 def read_generation_config(path: Path) -> dict:

@@ -3,7 +3,8 @@
 On CUDA: run one step of ``max_num_tokens`` tokens with a minimal cache, measure the activation
 peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool. On the CPU:
 ``kv_cache_cpu_bytes``, capped at what ``max_batch_size`` sequences of ``max_seq_len`` need. A fixed
-``num_kv_blocks`` overrides both.
+``num_kv_blocks`` overrides both. Under tensor parallelism each rank sizes its own pool (its own
+key/value heads and free memory) and all take the smallest.
 
 The profiling step is the first forward on the GPU: run as is, its first launches would compile
 their Triton kernels one after another (a fresh H200 host: 4-5 s for the 8B shape, mostly the prefill
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
+from autodeploy.distributed import min_over_ranks
 from autodeploy.kvcache.allocator import blocks_needed
 from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
 from autodeploy.kvcache.pool import KVCapacity, KVPool
@@ -50,6 +52,8 @@ class AllocateKVCache(Pass):
         else:
             budget = KVPool.blocks_for_budget(specs, block_size, cfg.kv_cache_cpu_bytes)
             num_blocks = min(budget, cfg.max_batch_size * blocks_per_seq)
+        if cfg.tp_size > 1:  # rank 0 hands out block ids for every rank's pool: all hold the fewest
+            num_blocks = min_over_ranks(num_blocks)
         if num_blocks < blocks_per_seq:
             log.warning("KV cache holds %d blocks, fewer than one sequence of max_seq_len needs (%d)",
                         num_blocks, blocks_per_seq)

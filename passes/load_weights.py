@@ -1,10 +1,13 @@
 """load_weights: materialize every parameter and buffer on the target device.
 
-Checkpoint tensors stream one at a time; a tensor with registered load hooks (fusion, sharding,
-quantization) goes to its hooks, any other is copied into the parameter of the same name. A
+Checkpoint tensors stream one at a time, each cut to this rank's slice first where sharding
+registered one (``ctx.weight_slices``: only the slice is read); a tensor with registered load hooks
+(fusion, quantization) goes to its hooks, any other is copied into the parameter of the same name. A
 parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
 checkpoint; it counts as loaded once its hooks report every piece delivered. With
-``weights: random`` parameters are filled on the device instead (benchmarks). Afterwards factory
+``weights: random`` the tensors the exported model had come from a :class:`RandomSource` instead (made
+on the device, seeded by name: every rank and every pipeline sees the same model) through the same
+slices and hooks; a parameter no exported tensor names is filled directly (benchmarks). Afterwards factory
 ops in the graph are retargeted to the device.
 """
 
@@ -17,7 +20,7 @@ from torch import fx
 from tqdm import tqdm
 
 from autodeploy.export import get_tensor_attr, set_tensor_attr
-from autodeploy.model_loading import choose_weight_source
+from autodeploy.model_loading import RandomSource, choose_weight_source
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 log = logging.getLogger("autodeploy.load_weights")
@@ -37,10 +40,14 @@ class LoadWeights(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         pending = _meta_tensors(ctx.gm)
         loaded = self._load_buffers(ctx, pending)
+        needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
         if ctx.config.weights == "random":
-            loaded += self._fill_random(ctx, pending)
+            exported = ctx.artifacts.get("exported_parameters", {})
+            source = RandomSource({n: exported[n] for n in needed if n in exported}, ctx.device,
+                                  self.config.random_std, ctx.weight_slices)
+            loaded += self._stream(ctx, pending, source) + self._fill_random(ctx, pending)
         else:
-            loaded += self._stream_checkpoint(ctx, pending)
+            loaded += self._stream(ctx, pending, choose_weight_source(ctx.checkpoint, needed, ctx.dtype, ctx.weight_slices))
         if pending:
             missing = ", ".join(sorted(pending)[:8])
             raise RuntimeError(f"{len(pending)} parameter(s) have no weights in the checkpoint: {missing}")
@@ -69,9 +76,7 @@ class LoadWeights(Pass):
             _assign(ctx.gm, name, value, pending.pop(name), ctx.device)
         return count
 
-    def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
-        needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
-        source = choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
+    def _stream(self, ctx: CompileContext, pending: dict[str, bool], source) -> int:
         count, unexpected = 0, []
         items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
         for name, tensor in items:

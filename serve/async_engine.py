@@ -97,6 +97,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop for good: ``exc`` becomes the engine's error and every request in flight gets it. Any
+        thread may call it (a tensor-parallel watchdog does, while the engine thread may be stuck)."""
+        if self.error is None:
+            self.error = exc
+        self._stop = True
+        self._wake.set()
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(f"the engine failed: {exc!r}"))
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
         self._wake.set()
@@ -118,10 +128,9 @@ class AsyncEngine:
                     continue
                 self._dispatch(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 (a failed step must reach every waiting client)
-            log.exception("engine step failed; failing all requests")
-            self.error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"the engine failed: {exc!r}"))
+            if self.error is None:
+                log.exception("engine step failed; failing all requests")
+            self.fail(exc)
 
     def _drain_commands(self) -> None:
         while True:

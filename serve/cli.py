@@ -16,7 +16,6 @@ from typing import Any
 
 from autodeploy.cli import COMPILE_FLAGS, add_compile_options, flag, settings_from_args
 from autodeploy.config import CompileConfig, validate
-from autodeploy.errors import ConfigError
 
 from .startup import ServeSettings
 
@@ -24,7 +23,7 @@ log = logging.getLogger("autodeploy.serve")
 
 SERVE_FLAGS: list[tuple[str, type]] = [
     ("host", str), ("port", int), ("served_model_name", str), ("tokenizer", str), ("chat_template", str),
-    ("tp_size", int), ("api_key", str),
+    ("api_key", str),
 ]
 # other spellings of the same settings: vLLM's names and trtllm-serve's older ones
 ALIASES: dict[str, tuple[str, type]] = {
@@ -68,8 +67,6 @@ def serve_settings(args: argparse.Namespace) -> tuple[ServeSettings, dict[str, A
     if settings.served_model_name is None:
         name = getattr(args, "default_model_name", None) or args.model_dir
         settings = settings.model_copy(update={"served_model_name": name})
-    if settings.tp_size > 1:
-        raise ConfigError("tp_size > 1: tensor-parallel serving is not available in this build yet")
     return settings, compile_config.model_dump(exclude_unset=True)
 
 
@@ -87,6 +84,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         effective = CompileConfig(**compile_options).model_dump()
         print(yaml.safe_dump({"model_dir": args.model_dir, **shown, **effective}, sort_keys=False), end="")
         return 0
+    if compile_options.get("tp_size", 1) > 1 and int(os.environ.get("RANK", "0")) > 0:  # torchrun: not rank 0
+        from .tp_workers import serve_as_worker
+
+        return serve_as_worker(args.model_dir, compile_options)
     return run_server(args.model_dir, settings, compile_options, args.log_level)
 
 
@@ -104,9 +105,11 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     state = ServerState(settings.served_model_name, settings.api_key)
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, timeout_graceful_shutdown=5))
     failure: list[BaseException] = []
+    closers: list = []
 
     def on_loaded(loaded) -> None:
         state.attach(loaded.engine, loaded.tokenizer, loaded.max_model_len)
+        closers.append(loaded.close)
         print(loaded.report, flush=True)
 
     def on_error(exc: BaseException) -> None:
@@ -123,6 +126,8 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     finally:
         if state.engine is not None:
             state.engine.shutdown()
+        for close in closers:
+            close()
     return 1 if failure else 0
 
 

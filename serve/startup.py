@@ -32,7 +32,6 @@ class ServeSettings(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model directory)")
     chat_template: str | None = Field(None, description="chat template file or inline Jinja, replacing the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
 
 
@@ -42,6 +41,7 @@ class LoadedModel:
     tokenizer: Any
     max_model_len: int
     report: str
+    close: Callable[[], None] = lambda: None  # after the engine stopped (tensor parallel: stops the workers)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -65,15 +65,30 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     options = dict(compile_options)
     options.setdefault("passes", {}).setdefault("load_weights", {}).setdefault("progress", True)
     start = time.perf_counter()
+    workers = _start_workers(model_dir, compile_options)
     with pass_progress(options):
         model = compile_model(model_dir, **options)
     # the resolved checkpoint (a .gguf input is converted into one), not the path the user gave
     tokenizer = load_tokenizer(settings.tokenizer or model.model_dir, settings.chat_template,
                                options.get("trust_remote_code", False))
     engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
+    async_engine = AsyncEngine(engine)
     report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
-    # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
-    return LoadedModel(AsyncEngine(engine), tokenizer, engine.max_total_tokens, report)
+    if workers is None:
+        # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
+        return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report)
+    report = "\n".join([report, *workers.attach(model, async_engine.fail)])
+    return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report, workers.stop)
+
+
+def _start_workers(model_dir: str, compile_options: dict[str, Any]):
+    """Tensor parallelism: ranks 1..N-1 start compiling next to this process (rank 0)."""
+    if compile_options.get("tp_size", 1) == 1:
+        return None
+    from .tp_workers import TensorParallelWorkers
+
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    return TensorParallelWorkers.start(model_dir, compile_options, level)
 
 
 def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:

@@ -8,6 +8,7 @@ chosen by configuration; the Triton kernels they call live in ``autodeploy.kerne
 
 from . import (  # noqa: F401  (registers the ops)
     attention,
+    collectives,
     fused_linear,
     mlp,
     norm,
@@ -17,4 +18,4 @@ from . import (  # noqa: F401  (registers the ops)
     rope,
 )
 
-__all__ = ["attention", "fused_linear", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "rope"]
+__all__ = ["attention", "collectives", "fused_linear", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "rope"]

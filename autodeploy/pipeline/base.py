@@ -2,8 +2,9 @@
 
 A pass is a registered class with a stage, declared ``requires``/``ensures`` properties, a pydantic
 config (``extra="forbid"``) and an ``apply`` method working on a :class:`CompileContext`. Passes
-that change how parameters must be materialized (fusion, sharding, quantization) register load
-hooks on ``ctx.weight_hooks`` instead of touching weights; ``load_weights`` runs the hooks.
+that change how parameters must be materialized (fusion, quantization) register load hooks on
+``ctx.weight_hooks`` instead of touching weights; ``load_weights`` runs the hooks. Sharding
+registers ``ctx.weight_slices``: which part of a checkpoint tensor this rank reads at all.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class CompileContext:
     weight_hooks: dict[str, list[LoadHook]] = field(default_factory=dict)
     # parameters that hooks build (e.g. fused GEMM weights) -> "has every piece arrived?"
     hook_targets: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    # checkpoint tensor name -> the part this process loads (tensor parallelism: a rank's shard), read
+    # from a lazy safetensors slice or a whole tensor, before any load hook sees it
+    weight_slices: dict[str, Callable[[Any], torch.Tensor]] = field(default_factory=dict)
     properties: set[str] = field(default_factory=lambda: {"exported"})
     history: list[str] = field(default_factory=list)
     artifacts: dict[str, Any] = field(default_factory=dict)  # pass outputs: kv specs, capacity, ...

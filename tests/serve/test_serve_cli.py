@@ -52,7 +52,7 @@ def test_vllm_and_trtllm_spellings(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--set", "no_such_setting=1"], "no_such_setting"),
     (["--set", "port=-5"], "port"),
-    (["--tp_size", "2"], "tensor-parallel"),
+    (["--tp_size", "0"], "tp_size"),
 ])
 def test_bad_settings_are_reported(capsys, argv, message):
     assert main(["serve", "ckpt", "--print_config", *argv]) == 2
