@@ -9,6 +9,7 @@ _BUILTIN = {
     "canonicalize_mlp": "autodeploy.passes.canonicalize:CanonicalizeMLP",
     "canonicalize_moe": "autodeploy.passes.canonicalize:CanonicalizeMoE",
     "gather_logits": "autodeploy.passes.gather_logits:GatherLogits",
+    "quantize": "autodeploy.passes.quantize:Quantize",
     "fuse_qkv": "autodeploy.passes.fuse:FuseQKV",
     "fuse_gate_up": "autodeploy.passes.fuse:FuseGateUp",
     "fuse_add_rms_norm": "autodeploy.passes.fuse:FuseAddRMSNorm",

@@ -4,8 +4,10 @@ Checkpoint tensors stream one at a time; a tensor with registered load hooks (fu
 quantization) goes to its hooks, any other is copied into the parameter of the same name. A
 parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
 checkpoint; it counts as loaded once its hooks report every piece delivered. With
-``weights: random`` parameters are filled on the device instead (benchmarks). Afterwards factory
-ops in the graph are retargeted to the device.
+``weights: random`` parameters are filled on the device instead (benchmarks; quantized weights get
+random codes and unit scales). A pass may choose the weight source (``ctx.artifacts["weight_source"]``:
+``quantize`` does for checkpoints whose MoE experts it dequantizes). Afterwards factory ops in the
+graph are retargeted to the device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from autodeploy.model_loading import choose_weight_source
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 log = logging.getLogger("autodeploy.load_weights")
+_QUANT_SCALES = {"weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale"}
 
 
 class LoadWeightsConfig(PassConfig):
@@ -61,17 +64,13 @@ class LoadWeights(Pass):
         count = len(pending)
         for name in list(pending):
             meta = get_tensor_attr(ctx.gm, name)
-            value = torch.empty(meta.shape, dtype=meta.dtype, device=ctx.device)
-            if value.dim() >= 2:
-                value.normal_(0.0, self.config.random_std, generator=generator)
-            else:
-                value.fill_(1.0)
+            value = _random_value(meta, name, ctx.device, self.config.random_std, generator)
             _assign(ctx.gm, name, value, pending.pop(name), ctx.device)
         return count
 
     def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
         needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
-        source = choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
+        source = ctx.artifacts.get("weight_source") or choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
         count, unexpected = 0, []
         items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
         for name, tensor in items:
@@ -90,6 +89,18 @@ class LoadWeights(Pass):
             if name in pending and complete():
                 pending.pop(name)
         return count
+
+
+def _random_value(meta: torch.Tensor, name: str, device, std: float, generator) -> torch.Tensor:
+    """Normal matrices, ones for vectors and quantization scales; packed NVFP4 codes random bytes."""
+    if meta.dtype == torch.uint8:
+        return torch.randint(0, 256, meta.shape, dtype=torch.uint8, device=device, generator=generator)
+    if meta.dim() < 2 or name.rpartition(".")[2] in _QUANT_SCALES:
+        return torch.ones(meta.shape, dtype=meta.dtype, device=device)
+    if meta.dtype == torch.float8_e4m3fn:  # no normal_ in fp8: drawn in fp32, rounded
+        value = torch.empty(meta.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+        return value.to(meta.dtype)
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0.0, std, generator=generator)
 
 
 def _meta_tensors(gm: fx.GraphModule) -> dict[str, bool]:

@@ -1,0 +1,104 @@
+"""What a quantized checkpoint stores (read from the safetensors headers, no tensor data), and the
+weight source for quantized checkpoints whose MoE experts are dequantized while loading.
+
+``autodeploy::moe`` takes stacked bf16/fp16/fp32 expert weights; a checkpoint that quantizes its
+experts (one FP8/NVFP4 tensor per expert and projection) is loaded by dequantizing each expert's
+weight and handing the result to transformers' own weight conversions (which stack the experts),
+while the tensors of the linears the graph keeps quantized stream straight from the files. The
+``quantize`` pass says so loudly: the experts then cost bf16 memory and bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..model_loading import Checkpoint, SafetensorsSource, WeightSource
+from .numerics import dequantize_fp8, dequantize_nvfp4
+from .scheme import LinearFormat
+
+# tensors that only describe quantization (scales of weights, activations, the KV cache)
+SCALE_LEAVES = frozenset({"weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale",
+                          "k_scale", "v_scale", "q_scale", "output_scale"})
+QUANTIZED_DTYPES = {"fp8": "F8_E4M3", "nvfp4": "U8"}
+
+
+def stored_tensors(checkpoint: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint's safetensors files: name -> (safetensors dtype, shape)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in checkpoint.weight_files:
+        if file.suffix != ".safetensors":
+            continue
+        for name, info in _header(file).items():
+            if name != "__metadata__":
+                out[name] = (info["dtype"], tuple(info["shape"]))
+    return out
+
+
+def _header(file: Path) -> dict:
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length))
+
+
+def dequantize_module(fmt: LinearFormat, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weight of one quantized module from its stored tensors (by leaf name)."""
+    if fmt.kind == "nvfp4":
+        return dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"].reshape(()))
+    scale = tensors[fmt.scale_name].float()
+    block = fmt.block_size if fmt.weight_scale == "block" else None
+    scale = scale if block else scale.reshape(-1) if scale.numel() > 1 else scale.reshape(())
+    return dequantize_fp8(tensors["weight"], scale, block)
+
+
+class DequantizingSource(WeightSource):
+    """``kept`` tensors straight from the files; every other tensor through transformers, with the
+    weights of the ``dequantized`` modules dequantized to ``dtype`` first (module doc)."""
+
+    def __init__(self, checkpoint: Checkpoint, fmt: LinearFormat, kept: set[str], dequantized: set[str],
+                 dtype: torch.dtype):
+        self.checkpoint, self.fmt, self.kept, self.dequantized, self.dtype = checkpoint, fmt, kept, dequantized, dtype
+        self.direct = SafetensorsSource(checkpoint.weight_files)
+
+    def names(self) -> set[str]:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self._plain_config())
+        return set(self.kept) | set(model.state_dict())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rest: dict[str, torch.Tensor] = {}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in self.direct:
+            module, _, leaf = name.rpartition(".")
+            if name in self.kept:
+                yield name, tensor
+            elif module in self.dequantized:
+                pending.setdefault(module, {})[leaf] = tensor
+            elif leaf not in SCALE_LEAVES:
+                rest[name] = tensor
+        for module, tensors in pending.items():
+            rest[f"{module}.weight"] = dequantize_module(self.fmt, tensors).to(self.dtype)
+        yield from self._through_transformers(rest).items()
+
+    def _plain_config(self):
+        config = copy.deepcopy(self.checkpoint.config)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")  # the state handed over holds plain tensors
+        return config
+
+    def _through_transformers(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's state dict from ``state`` in the checkpoint's naming (transformers renames and
+        stacks, e.g. per-expert weights into one tensor). One host copy of those weights."""
+        from transformers import AutoModelForCausalLM
+
+        config = self._plain_config()
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=self.dtype)
+        return dict(model.state_dict())
