@@ -5,8 +5,8 @@ quantization) goes to its hooks, any other is copied into the parameter of the s
 parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
 checkpoint; it counts as loaded once its hooks report every piece delivered. With
 ``weights: random`` parameters are filled on the device instead (benchmarks; quantized weights get
-random codes and unit scales). A pass may choose the weight source (``ctx.artifacts["weight_source"]``:
-``quantize`` does for checkpoints whose MoE experts it dequantizes). Afterwards factory ops in the
+random codes and unit scales). A pass may replace ``choose_weight_source`` (``ctx.artifacts["weight_source"]``, same
+signature: ``quantize`` does for quantized checkpoints). Afterwards factory ops in the
 graph are retargeted to the device.
 """
 
@@ -70,7 +70,8 @@ class LoadWeights(Pass):
 
     def _stream_checkpoint(self, ctx: CompileContext, pending: dict[str, bool]) -> int:
         needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
-        source = ctx.artifacts.get("weight_source") or choose_weight_source(ctx.checkpoint, needed, ctx.dtype)
+        choose = ctx.artifacts.get("weight_source", choose_weight_source)
+        source = choose(ctx.checkpoint, needed, ctx.dtype)
         count, unexpected = 0, []
         items = tqdm(source, desc="loading weights", unit="tensor", disable=not self.config.progress)
         for name, tensor in items:

@@ -16,6 +16,7 @@ or as ``--quantization`` asks (online: bf16/fp16 weights quantized while they lo
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -36,7 +37,7 @@ from autodeploy.quantization.loading import register_quant_hooks, register_targe
 from autodeploy.quantization.params import ParameterWriter, QuantLinear
 from autodeploy.quantization.readers import read_quant_plan
 from autodeploy.quantization.scheme import QuantPlan, QuantSummary
-from autodeploy.quantization.source import QUANTIZED_DTYPES, DequantizingSource, stored_tensors
+from autodeploy.quantization.source import QUANTIZED_DTYPES, choose_quantized_source, stored_tensors
 from autodeploy.transforms.fuse_gate_up import halves_of_one_weight
 
 log = logging.getLogger("autodeploy.quantize")
@@ -190,9 +191,9 @@ class _Quantizer:
             log.warning("%s: MoE experts run in %s: %s", self.plan.method, self.ctx.dtype,
                         "dequantized while loading (no quantized MoE op yet)" if experts
                         else "online quantization covers linear layers, not the moe op")
-        if experts:
-            self.ctx.artifacts["weight_source"] = DequantizingSource(
-                self.ctx.checkpoint, self.plan.format, kept, experts, self.ctx.dtype)
+        if self.stored and not self.plan.online:
+            self.ctx.artifacts["weight_source"] = functools.partial(
+                choose_quantized_source, fmt=self.plan.format, kept=kept, dequantized=experts)
         return experts
 
     def _kv_line(self) -> str:

@@ -133,14 +133,16 @@ def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed uint8 [N, K/2], e4m3 scale [N, K/16], fp32 scale_2 [])`` as ModelOpt computes them:
-    ``scale_2 = amax / (6 * 448)``, each group's scale ``amax_group / 6 / scale_2`` rounded to e4m3."""
+    ``scale_2 = amax / (6 * 448)``, each group's scale ``amax_group / 6 / scale_2`` (1 for an all-zero
+    group) in e4m3's range [2^-9, 448], the values rounded to the nearest e2m1 (ties to even)."""
     w = weight.float()
     rows, cols = w.shape
     if cols % NVFP4_GROUP:
         raise ValueError(f"NVFP4 needs K divisible by {NVFP4_GROUP}, got {cols}")
     scale_2 = (w.abs().amax() / (E2M1_MAX * FP8_MAX)).clamp(min=MIN_SCALE)
     groups = w.unflatten(1, (-1, NVFP4_GROUP))
-    scale = (groups.abs().amax(dim=-1) / E2M1_MAX / scale_2).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    scale = groups.abs().amax(dim=-1) / E2M1_MAX / scale_2
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).clamp(2**-9, FP8_MAX).to(FP8_DTYPE)
     effective = (scale.float() * scale_2).unsqueeze(-1)
     scaled = torch.where(effective > 0, groups / effective, torch.zeros_like(groups)).clamp(-E2M1_MAX, E2M1_MAX)
     codes = _round_to_e2m1_codes(scaled.flatten(1))

@@ -56,6 +56,17 @@ def dequantize_module(fmt: LinearFormat, tensors: dict[str, torch.Tensor]) -> to
     return dequantize_fp8(tensors["weight"], scale, block)
 
 
+def choose_quantized_source(checkpoint: Checkpoint, needed: set[str], dtype: torch.dtype, *, fmt: LinearFormat,
+                            kept: set[str], dequantized: set[str]) -> WeightSource:
+    """``choose_weight_source`` for a quantized checkpoint: the files as they are when they hold
+    every tensor under its own name and nothing is dequantized, else a :class:`DequantizingSource`
+    (never transformers' loader alone, which would drop the scales of formats it does not know)."""
+    direct = SafetensorsSource(checkpoint.weight_files)
+    if not dequantized and needed <= direct.names():
+        return direct
+    return DequantizingSource(checkpoint, fmt, kept, dequantized, dtype)
+
+
 class DequantizingSource(WeightSource):
     """``kept`` tensors straight from the files; every other tensor through transformers, with the
     weights of the ``dequantized`` modules dequantized to ``dtype`` first (module doc)."""
@@ -73,19 +84,28 @@ class DequantizingSource(WeightSource):
         return set(self.kept) | set(model.state_dict())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.direct:
+            if name in self.kept:
+                yield name, tensor
+        state = self.model().state_dict()
+        yield from ((name, tensor) for name, tensor in state.items() if name not in self.kept)
+
+    def model(self) -> torch.nn.Module:
+        """The HF model of every tensor but the ``kept`` ones, the ``dequantized`` modules'
+        weights dequantized (with every quantized module dequantized: the dequantized reference)."""
         rest: dict[str, torch.Tensor] = {}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in self.direct:
             module, _, leaf = name.rpartition(".")
             if name in self.kept:
-                yield name, tensor
-            elif module in self.dequantized:
+                continue
+            if module in self.dequantized:
                 pending.setdefault(module, {})[leaf] = tensor
             elif leaf not in SCALE_LEAVES:
                 rest[name] = tensor
         for module, tensors in pending.items():
             rest[f"{module}.weight"] = dequantize_module(self.fmt, tensors).to(self.dtype)
-        yield from self._through_transformers(rest).items()
+        return self._model(rest)
 
     def _plain_config(self):
         config = copy.deepcopy(self.checkpoint.config)
@@ -93,12 +113,11 @@ class DequantizingSource(WeightSource):
             delattr(config, "quantization_config")  # the state handed over holds plain tensors
         return config
 
-    def _through_transformers(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's state dict from ``state`` in the checkpoint's naming (transformers renames and
-        stacks, e.g. per-expert weights into one tensor). One host copy of those weights."""
+    def _model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The HF model from ``state`` in the checkpoint's naming (transformers renames and stacks,
+        e.g. per-expert weights into one tensor). One host copy of those weights."""
         from transformers import AutoModelForCausalLM
 
         config = self._plain_config()
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
-        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=self.dtype)
-        return dict(model.state_dict())
+        return model_class.from_pretrained(None, config=config, state_dict=state, dtype=self.dtype).eval()
