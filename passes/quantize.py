@@ -30,6 +30,7 @@ from autodeploy.quantization.graph import (
     add_quant_params,
     quant_linear_args,
     quant_linear_node,
+    redirect_stacked,
     remove_params,
     stack_quant_linears,
 )
@@ -61,6 +62,9 @@ class Quantize(Pass):
             _refuse_undeclared(stored)
             return PassResult(0, "the checkpoint is not quantized")
         summary = _Quantizer(ctx, plan, stored).run()
+        if not summary.quantized:
+            raise QuantizationError(f"{plan.method}: no linear layer of this model can be quantized (its "
+                                    "projections are not aten.linear with a weight of their own, e.g. GPT-2's Conv1D)")
         ctx.artifacts["quantization"] = summary
         for line in summary.lines():
             log.info("%s", line)
@@ -83,7 +87,7 @@ class _Quantizer:
         self.linears: list[QuantLinear] = []  # each as the checkpoint stores it (before any stacking)
         self.unquantized: list[str] = []
         self.stacked: list[QuantLinear] = []  # parts of stacked gate/up GEMMs: their parameters go
-        self.lm_heads = _output_linear_modules(ctx.gm)
+        self.kept_dense = _output_linear_modules(ctx.gm) | _router_modules(ctx.gm)  # never quantized online
 
     def run(self) -> QuantSummary:
         for node in list(self.gm.graph.find_nodes(op="call_function", target=aten.linear.default)):
@@ -124,7 +128,7 @@ class _Quantizer:
                 raise QuantizationError(f"{self.plan.method}: {module}.weight is stored quantized but is also "
                                         "read elsewhere (tied to the embedding?)")
             return stored
-        return not excluded and module not in self.lm_heads and sole_parameter(weight) is not None
+        return not excluded and module not in self.kept_dense and sole_parameter(weight) is not None
 
     def _quant_linear(self, module: str, weight: fx.Node) -> QuantLinear:
         n, k = weight.meta["val"].shape
@@ -158,7 +162,8 @@ class _Quantizer:
         parts = [self._quant_linear(m, w) for m, w in zip(modules, (*weights, w_down))]
         gate_up = parts[0]
         if stacked is None:
-            gate_up = stack_quant_linears(self.gm, self.writer, parts[:2])
+            gate_up = stack_quant_linears(self.gm, parts[:2])
+            redirect_stacked(self.writer, gate_up, parts[:2])
             self.stacked.extend(parts[:2])
         first = quant_linear_node(self.gm, gate_up, x, None, before=node)
         _, down_args = quant_linear_args(self.gm, parts[-1], first, None, before=node)
@@ -222,3 +227,32 @@ def _output_linear_modules(gm: fx.GraphModule) -> set[str]:
         if len(tensors) == 1:
             frontier.append(tensors[0])
     return out
+
+
+def _router_modules(gm: fx.GraphModule) -> set[str]:
+    """Modules of the MoE routers: linears that the routing operands of a ``moe`` op come from
+    (without passing through its token input). Producers leave them unquantized; so does online."""
+    out = set()
+    for moe in gm.graph.find_nodes(op="call_function", target=MOE):
+        stop = _ancestors(moe.args[0]) | {moe.args[0]}
+        frontier, seen = [moe.args[1], moe.args[2]], set()
+        while frontier:
+            node = frontier.pop()
+            if not isinstance(node, fx.Node) or node in seen or node in stop:
+                continue
+            seen.add(node)
+            if node.target == aten.linear.default and node.args[1].op == "get_attr":
+                out.add(str(node.args[1].target).rpartition(".")[0])
+                continue
+            frontier.extend(node.all_input_nodes)
+    return out
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, frontier = set(), [node]
+    while frontier:
+        for parent in frontier.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                frontier.append(parent)
+    return seen

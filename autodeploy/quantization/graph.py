@@ -12,13 +12,23 @@ activations inside the FP8 range).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from ..graph.meta import fake_mode_of
 from ..graph.params import fused_parameter_name, remove_parameter
-from .params import ParameterWriter, QuantLinear, add_meta_parameter, quant_op_args
+from .params import FP8_LINEAR, NVFP4_LINEAR, ParameterWriter, QuantLinear, add_meta_parameter, quant_op_args
+from .scheme import LinearFormat
+
+
+@dataclass(frozen=True)
+class StackedQuantLinear:
+    """A quantized linear made of ``parts`` (their rows in order)."""
+
+    fused: QuantLinear
+    parts: tuple[QuantLinear, ...]
 
 
 def param_node(gm: fx.GraphModule, name: str, shape, dtype, before: fx.Node) -> fx.Node:
@@ -53,6 +63,25 @@ def quant_linear_node(gm: fx.GraphModule, linear: QuantLinear, x, bias, before: 
         return gm.graph.call_function(target, args)
 
 
+def quant_linear_of(node: fx.Node) -> QuantLinear | None:
+    """The quantized linear an ``fp8_linear`` / ``nvfp4_linear`` node computes (None for another
+    node, or one whose weight and scales are not parameters)."""
+    if node.target not in (FP8_LINEAR, NVFP4_LINEAR):
+        return None
+    weight, scale = node.args[1], node.args[2]
+    if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (weight, scale)):
+        return None
+    n, k = weight.meta["val"].shape
+    module, leaf = str(weight.target).rpartition(".")[0], str(scale.target).rpartition(".")[2]
+    if node.target == NVFP4_LINEAR:
+        fmt = LinearFormat("nvfp4", "nvfp4", "none")
+        return QuantLinear(module, fmt, int(n), int(k) * 2, stacked=node.args[3].meta["val"].dim() == 1)
+    block, activations = node.args[5], node.args[6]
+    kind = ("tensor", "channel", "block")[scale.meta["val"].dim()]
+    fmt = LinearFormat("fp8", kind, activations, tuple(block) if block else None, scale_name=leaf)
+    return QuantLinear(module, fmt, int(n), int(k))
+
+
 def can_stack(parts: list[QuantLinear]) -> bool:
     """Same format and input width; with block scales, every part a whole number of row blocks."""
     first = parts[0]
@@ -61,9 +90,10 @@ def can_stack(parts: list[QuantLinear]) -> bool:
     return first.fmt.weight_scale != "block" or all(p.out_features % first.fmt.block_size[0] == 0 for p in parts)
 
 
-def stack_quant_linears(gm: fx.GraphModule, writer: ParameterWriter, parts: list[QuantLinear]) -> QuantLinear:
-    """One quantized linear whose output rows are the parts' in order (module doc). The parts'
-    parameters stay until :func:`remove_params` (after the nodes reading them are gone)."""
+def stack_quant_linears(gm: fx.GraphModule, parts: list[QuantLinear]) -> QuantLinear:
+    """One quantized linear whose output rows are the parts' in order (module doc), its parameters
+    on meta; the writer learns where the parts' tensors go from :func:`redirect_stacked`, and the
+    parts' parameters stay until :func:`remove_params` (after the nodes reading them are gone)."""
     first = parts[0]
     fmt = first.fmt
     if fmt.kind == "fp8" and fmt.weight_scale == "tensor":
@@ -72,13 +102,17 @@ def stack_quant_linears(gm: fx.GraphModule, writer: ParameterWriter, parts: list
     fused = QuantLinear(module, fmt, sum(p.out_features for p in parts), first.in_features, stacked=True)
     for role in fused.roles():
         add_meta_parameter(gm, fused.name(role), *fused.spec(role))
+    return fused
+
+
+def redirect_stacked(writer: ParameterWriter, fused: QuantLinear, parts: list[QuantLinear]) -> None:
+    """The parts' tensors land in their rows of the stacked parameters."""
     start = 0
     for part in parts:
         rows = (start, start + part.out_features)
         for role in part.roles():
             writer.redirect(part.name(role), fused.name(role), *_slot(fused, role, rows))
         start += part.out_features
-    return fused
 
 
 def remove_params(gm: fx.GraphModule, linears: list[QuantLinear]) -> None:
