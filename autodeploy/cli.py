@@ -79,6 +79,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()))
     print(report.pass_table())
     print("canonical ops: " + ", ".join(f"{k}={v}" for k, v in report.op_counts.items()))
+    print("quantization: " + "\n  ".join(report.quantization_lines()))
     print(model.capacity.describe())
     return 0
 

@@ -95,7 +95,7 @@ class QuantSummary:
             lines.append(f"dequantized to the model dtype while loading (no quantized MoE op yet): "
                          f"{len(self.dequantized)} expert weights, e.g. {_sample(self.dequantized)}")
         if self.kv_cache:
-            lines.append(f"KV cache: {self.kv_cache}")
+            lines.append(f"KV cache dtype: {self.kv_cache}")
         return lines
 
 
