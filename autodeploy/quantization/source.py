@@ -62,9 +62,50 @@ def choose_quantized_source(checkpoint: Checkpoint, needed: set[str], dtype: tor
     every tensor under its own name and nothing is dequantized, else a :class:`DequantizingSource`
     (never transformers' loader alone, which would drop the scales of formats it does not know)."""
     direct = SafetensorsSource(checkpoint.weight_files)
-    if not dequantized and needed <= direct.names():
-        return direct
+    stored = direct.names()
+    if not dequantized:
+        aliases = {name: twin for name in needed - stored if (twin := _tied_twins(checkpoint).get(name)) in stored}
+        if needed <= stored | set(aliases):
+            return AliasingSource(direct, aliases)
     return DequantizingSource(checkpoint, fmt, kept, dequantized, dtype)
+
+
+def _tied_twins(checkpoint: Checkpoint) -> dict[str, str]:
+    """Parameter name -> another name of the same (tied) parameter, from the model on meta."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_plain_config(checkpoint.config))
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    return {name: other for names in by_tensor.values() for name in names for other in names if other != name}
+
+
+class AliasingSource(WeightSource):
+    """The files as they are, each tied tensor also under the names of its twins (a tied LM head)."""
+
+    def __init__(self, direct: SafetensorsSource, aliases: dict[str, str]):
+        self.direct, self.aliases = direct, aliases
+
+    def names(self) -> set[str]:
+        return self.direct.names() | set(self.aliases)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        twins: dict[str, list[str]] = {}
+        for alias, stored in self.aliases.items():
+            twins.setdefault(stored, []).append(alias)
+        for name, tensor in self.direct:
+            yield name, tensor
+            for alias in twins.get(name, ()):
+                yield alias, tensor
+
+
+def _plain_config(config):
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # what is handed to transformers holds plain tensors
+    return config
 
 
 class DequantizingSource(WeightSource):
@@ -80,7 +121,7 @@ class DequantizingSource(WeightSource):
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self._plain_config())
+            model = AutoModelForCausalLM.from_config(_plain_config(self.checkpoint.config))
         return set(self.kept) | set(model.state_dict())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -107,17 +148,18 @@ class DequantizingSource(WeightSource):
             rest[f"{module}.weight"] = dequantize_module(self.fmt, tensors).to(self.dtype)
         return self._model(rest)
 
-    def _plain_config(self):
-        config = copy.deepcopy(self.checkpoint.config)
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")  # the state handed over holds plain tensors
-        return config
-
     def _model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """The HF model from ``state`` in the checkpoint's naming (transformers renames and stacks,
         e.g. per-expert weights into one tensor). One host copy of those weights."""
         from transformers import AutoModelForCausalLM
 
-        config = self._plain_config()
+        from transformers.utils import logging as hf_logging
+
+        config = _plain_config(self.checkpoint.config)
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
-        return model_class.from_pretrained(None, config=config, state_dict=state, dtype=self.dtype).eval()
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report would list the kept (quantized) weights as missing
+        try:
+            return model_class.from_pretrained(None, config=config, state_dict=state, dtype=self.dtype).eval()
+        finally:
+            hf_logging.set_verbosity(verbosity)

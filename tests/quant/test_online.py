@@ -64,3 +64,15 @@ def test_a_model_without_quantizable_linears_is_refused(tmp_path):
 def test_unknown_method_is_a_config_error(tmp_path):
     with pytest.raises(AutoDeployError, match="quantization"):
         autodeploy.compile(make_tiny_checkpoint("llama", tmp_path / "l"), quantization="int4", **OPTIONS)
+
+
+def test_compile_command_reports_the_quantization(capsys):
+    from quant_fixtures import fixture_dir
+
+    from autodeploy.cli import main
+
+    assert main(["compile", str(fixture_dir("qwen3_modelopt_nvfp4")), "--device", "cpu", "--max_seq_len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: modelopt NVFP4: NVFP4 (e2m1 weights" in out
+    assert "left unquantized: lm_head (excluded by the checkpoint: lm_head, model.embed_tokens)" in out
+    assert "KV cache dtype: bfloat16" in out and "nvfp4_rms_norm_linear=1" in out
