@@ -86,7 +86,7 @@ class _Quantizer:
         self.writer = ctx.artifacts.setdefault("param_writer", ParameterWriter(ctx.gm, ctx.device))
         self.linears: list[QuantLinear] = []  # each as the checkpoint stores it (before any stacking)
         self.unquantized: list[str] = []
-        self.stacked: list[QuantLinear] = []  # parts of stacked gate/up GEMMs: their parameters go
+        self.stacked: list[QuantLinear] = []  # parts of stacked gate/up GEMMs (parameters removed at the end)
         self.kept_dense = _output_linear_modules(ctx.gm) | _router_modules(ctx.gm)  # never quantized online
 
     def run(self) -> QuantSummary:
@@ -143,8 +143,8 @@ class _Quantizer:
     def _linear(self, node: fx.Node) -> None:
         x, weight, *rest = node.args
         bias = rest[0] if rest else node.kwargs.get("bias")
-        module = self._module(weight)
-        if module is None or weight.meta["val"].dim() != 2:
+        module = self._module(weight) if weight.meta["val"].dim() == 2 else None
+        if module is None:
             return
         new = quant_linear_node(self.gm, self._quant_linear(module, weight), x, bias, before=node)
         self._replace(node, [new], new)
