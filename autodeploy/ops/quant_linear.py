@@ -229,6 +229,3 @@ def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale:
 @nvfp4_swiglu_down.register_fake
 def _(gate_up, weight, weight_scale, weight_scale_2, bias=None, activation="silu"):
     return _fake(gate_up, weight)
-
-
-QUANT_LINEARS = {torch.ops.autodeploy.fp8_linear.default: "fp8", torch.ops.autodeploy.nvfp4_linear.default: "nvfp4"}
