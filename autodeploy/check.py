@@ -52,11 +52,13 @@ class CheckResult:
         )
 
 
-def reference_streams(model_dir: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype):
-    """HF eager greedy continuations and logits at every position of prompt + continuation."""
-    from transformers import AutoModelForCausalLM
+def reference_streams(model_dir: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype,
+                      quantization: str | None = None):
+    """HF eager greedy continuations and logits at every position of prompt + continuation (for a
+    quantized checkpoint or ``quantization``, the model ``quantization.reference`` describes)."""
+    from .quantization.reference import reference_model
 
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+    ref = reference_model(model_dir, dtype, quantization)
     streams, logits = [], []
     with torch.inference_mode():
         for prompt in prompts:
@@ -90,7 +92,7 @@ def run_check(
     model = compiled or compile_model(model_dir, **options)
     dtype = model.report.dtype
     prompts = random_prompts(model.vocab_size, prompt_lens)
-    streams, ref_logits = reference_streams(model_dir, prompts, steps, dtype)
+    streams, ref_logits = reference_streams(model_dir, prompts, steps, dtype, model.config.quantization)
     result = CheckResult(rel_tol=rel_tol)
     _run_streams(model, prompts, streams, ref_logits, chunk_size, result)
     return result

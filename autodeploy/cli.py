@@ -27,6 +27,7 @@ COMPILE_FLAGS: list[tuple[str, type]] = [
     ("dtype", str), ("device", str), ("max_seq_len", int), ("max_batch_size", int), ("max_num_tokens", int),
     ("tokens_per_block", int), ("kv_cache_free_gpu_memory_fraction", float), ("num_kv_blocks", int),
     ("attn_implementation", str), ("attention_backend", str), ("weights", str), ("pipeline", str), ("tp_size", int),
+    ("quantization", str),
 ]
 
 
@@ -84,6 +85,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()))
     print(report.pass_table())
     print("canonical ops: " + ", ".join(f"{k}={v}" for k, v in report.op_counts.items()))
+    print("quantization: " + "\n  ".join(report.quantization_lines()))
     print(model.capacity.describe())
     return 0
 

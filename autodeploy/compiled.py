@@ -34,6 +34,11 @@ class CompileReport:
     stage_seconds: dict[str, float]
     passes: list  # PassRecord, in order
     op_counts: dict[str, int] = field(default_factory=dict)
+    quantization: tuple[str, ...] = ()  # what the quantize pass did (QuantSummary.lines()); () if nothing
+
+    def quantization_lines(self) -> list[str]:
+        """What was quantized (format, layers, exclusions) and the KV cache's dtype."""
+        return list(self.quantization) or [f"none (weights and KV cache in {str(self.dtype).removeprefix('torch.')})"]
 
     def pass_table(self) -> str:
         lines = [f"{'pass':<26}{'stage':<14}{'matches':>8}{'ms':>10}  detail"]

@@ -93,6 +93,7 @@ def compile_config(
         stage_seconds=timings,
         passes=records,
         op_counts=canonical_op_counts(ctx.gm),
+        quantization=tuple(summary.lines()) if (summary := ctx.artifacts.get("quantization")) else (),
     )
     model_dir = checkpoint.path if checkpoint else None
     return CompiledModel(

@@ -49,6 +49,10 @@ class CompileConfig(BaseModel):
     attention_backend: str = Field(
         "auto", description="paged attention: auto (triton on CUDA, torch on CPU), torch, triton, flashinfer"
     )
+    quantization: Literal["fp8", "nvfp4"] | None = Field(
+        None, description="quantize a bf16/fp16 checkpoint while loading: fp8 (per-channel weights, dynamic "
+        "per-token activations) or nvfp4 (weight-only); a quantized checkpoint needs no flag"
+    )
     allow_pickle: bool = Field(False, description="accept pickle (.bin) weights; only for trusted checkpoints")
     trust_remote_code: bool = Field(False, description="run modeling code shipped with the checkpoint")
     dump_dir: str | None = Field(None, description="write every intermediate graph here (or AUTODEPLOY_DUMP_DIR)")

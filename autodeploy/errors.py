@@ -35,3 +35,9 @@ class PassError(AutoDeployError):
 
 class UnsupportedPatternError(AutoDeployError):
     """A graph contains something the runtime cannot lower (e.g. an attention mask it cannot classify)."""
+
+
+class QuantizationError(AutoDeployError):
+    """A quantized checkpoint (or ``--quantization``) asks for something that cannot be served as
+    asked: an unknown scheme, a missing or misshapen scale tensor, a shape that does not split into
+    the format's blocks. The message names the scheme and the tensor."""

@@ -9,6 +9,7 @@ _BUILTIN = {
     "canonicalize_mlp": "autodeploy.passes.canonicalize:CanonicalizeMLP",
     "canonicalize_moe": "autodeploy.passes.canonicalize:CanonicalizeMoE",
     "gather_logits": "autodeploy.passes.gather_logits:GatherLogits",
+    "quantize": "autodeploy.passes.quantize:Quantize",
     "shard": "autodeploy.passes.shard:Shard",
     "fuse_qkv": "autodeploy.passes.fuse:FuseQKV",
     "fuse_gate_up": "autodeploy.passes.fuse:FuseGateUp",

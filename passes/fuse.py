@@ -13,7 +13,9 @@
 The two GEMM fusions create stacked parameters on meta and register a load hook per checkpoint
 tensor that copies it into its rows of the stacked parameter on the device (allocated when the
 first piece arrives): weights stream once, no second copy exists, host memory stays at one tensor.
-They leave alone weights that an earlier pass (sharding, quantization) already hooks.
+They leave alone weights that an earlier pass (sharding, quantization) already hooks; quantized
+linears (``fp8_linear`` / ``nvfp4_linear``) fuse too, their load hooks redirected into the rows of
+the stacked parameters through the quantize pass's ``ParameterWriter``.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from torch import fx
 from autodeploy.export import get_tensor_attr
 from autodeploy.graph.params import FusedParameter
 from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
+from autodeploy.quantization.graph import redirect_stacked
+from autodeploy.quantization.loading import register_targets
 from autodeploy.transforms.decode_linear import use_decode_linear
 from autodeploy.transforms.fuse_add_rms_norm import fold_norm_input_casts, fuse_add_rms_norm
 from autodeploy.transforms.fuse_gate_up import fuse_gate_up
 from autodeploy.transforms.fuse_norm_linear import fuse_norm_linear
-from autodeploy.transforms.fuse_qkv import fuse_sibling_linears
+from autodeploy.transforms.fuse_qkv import fuse_sibling_linears, fuse_sibling_quant_linears
 from autodeploy.transforms.fuse_rope_qk import fuse_rope_qk
 
 from .load_weights import set_tensor_attr_replace
@@ -82,7 +86,16 @@ class FuseQKV(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         result, fused = fuse_sibling_linears(ctx.gm, _unhooked(ctx))
         _register(ctx, fused)
-        return PassResult(result.matches, f"{result.matches} linear groups -> {len(fused)} stacked parameters")
+        quantized, stacked, biases = fuse_sibling_quant_linears(ctx.gm)
+        _register(ctx, biases)
+        if stacked:  # the quantize pass's writer places each part's tensors in its rows
+            writer = ctx.artifacts["param_writer"]
+            for linear in stacked:
+                redirect_stacked(writer, linear.fused, list(linear.parts))
+            register_targets(ctx, writer)
+        matches = result.matches + quantized.matches
+        return PassResult(matches, f"{result.matches} linear groups -> {len(fused)} stacked parameters, "
+                                   f"{quantized.matches} quantized groups")
 
 
 class FuseGateUp(Pass):

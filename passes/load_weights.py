@@ -5,10 +5,7 @@ registered one (``ctx.weight_slices``: only the slice is read); a tensor with re
 (fusion, quantization) goes to its hooks, any other is copied into the parameter of the same name. A
 parameter that hooks build (``ctx.hook_targets``, e.g. a fused GEMM weight) is not looked up in the
 checkpoint; it counts as loaded once its hooks report every piece delivered. With
-``weights: random`` the tensors the exported model had come from a :class:`RandomSource` instead (made
-on the device, seeded by name: every rank and every pipeline sees the same model) through the same
-slices and hooks; a parameter no exported tensor names is filled directly (benchmarks). Afterwards factory
-ops in the graph are retargeted to the device.
+    def _stream(self, ctx: CompileContext, pending: dict[str, bool], source) -> int:
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from autodeploy.model_loading import RandomSource, choose_weight_source
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 log = logging.getLogger("autodeploy.load_weights")
+_QUANT_SCALES = {"weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale"}
 
 
 class LoadWeightsConfig(PassConfig):
@@ -47,7 +45,8 @@ class LoadWeights(Pass):
                                   self.config.random_std, ctx.weight_slices)
             loaded += self._stream(ctx, pending, source) + self._fill_random(ctx, pending)
         else:
-            loaded += self._stream(ctx, pending, choose_weight_source(ctx.checkpoint, needed, ctx.dtype, ctx.weight_slices))
+            choose = ctx.artifacts.get("weight_source", choose_weight_source)
+            loaded += self._stream(ctx, pending, choose(ctx.checkpoint, needed, ctx.dtype, ctx.weight_slices))
         if pending:
             missing = ", ".join(sorted(pending)[:8])
             raise RuntimeError(f"{len(pending)} parameter(s) have no weights in the checkpoint: {missing}")
@@ -68,11 +67,7 @@ class LoadWeights(Pass):
         count = len(pending)
         for name in list(pending):
             meta = get_tensor_attr(ctx.gm, name)
-            value = torch.empty(meta.shape, dtype=meta.dtype, device=ctx.device)
-            if value.dim() >= 2:
-                value.normal_(0.0, self.config.random_std, generator=generator)
-            else:
-                value.fill_(1.0)
+            value = _random_value(meta, name, ctx.device, self.config.random_std, generator)
             _assign(ctx.gm, name, value, pending.pop(name), ctx.device)
         return count
 
@@ -95,6 +90,18 @@ class LoadWeights(Pass):
             if name in pending and complete():
                 pending.pop(name)
         return count
+
+
+def _random_value(meta: torch.Tensor, name: str, device, std: float, generator) -> torch.Tensor:
+    """Normal matrices, ones for vectors and quantization scales; packed NVFP4 codes random bytes."""
+    if meta.dtype == torch.uint8:
+        return torch.randint(0, 256, meta.shape, dtype=torch.uint8, device=device, generator=generator)
+    if meta.dim() < 2 or name.rpartition(".")[2] in _QUANT_SCALES:
+        return torch.ones(meta.shape, dtype=meta.dtype, device=device)
+    if meta.dtype == torch.float8_e4m3fn:  # no normal_ in fp8: drawn in fp32, rounded
+        value = torch.empty(meta.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+        return value.to(meta.dtype)
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0.0, std, generator=generator)
 
 
 def _meta_tensors(gm: fx.GraphModule) -> dict[str, bool]:

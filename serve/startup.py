@@ -98,6 +98,7 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
     lines = [
         f"model        {model.model_dir} ({report.architecture}, {report.model_type})",
         f"dtype        {report.dtype} on {report.device}",
+        "quantization " + "\n             ".join(report.quantization_lines()),
         f"compile      {seconds:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()),
         f"KV cache     {cap.num_blocks} blocks x {cap.block_size} tokens = {cap.num_tokens} tokens, "
         f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len}",

@@ -31,7 +31,7 @@ def fuse_gate_up(
     result, fused = RuleResult(), []
     for node in list(gm.graph.find_nodes(op="call_function", target=SWIGLU)):
         x, w_gate, w_up, w_down, *rest = node.args
-        stacked = _halves_of_one_weight(w_gate, w_up)
+        stacked = halves_of_one_weight(w_gate, w_up)
         if stacked is None:
             names = [sole_parameter(w_gate), sole_parameter(w_up)]
             if any(n is None or not can_fuse(n) for n in names) or not _stackable(w_gate, w_up):
@@ -55,7 +55,7 @@ def _stackable(w_gate: fx.Node, w_up: fx.Node) -> bool:
     return a.dim() == 2 and a.shape == b.shape and a.dtype == b.dtype
 
 
-def _halves_of_one_weight(w_gate, w_up) -> fx.Node | None:
+def halves_of_one_weight(w_gate, w_up) -> fx.Node | None:
     """W if gate/up are rows [0, I) and [I, 2I) of one 2-d tensor W with 2I rows."""
     if not all(isinstance(w, fx.Node) and w.target == aten.slice.Tensor for w in (w_gate, w_up)):
         return None

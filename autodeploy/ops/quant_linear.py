@@ -1,0 +1,231 @@
+"""Quantized linear layers: ``fp8_linear``, ``nvfp4_linear`` and their norm/activation-fused variants.
+
+``fp8_linear(x, weight, weight_scale, input_scale, bias, block_size, activations)``: ``weight`` is
+``float8_e4m3fn [N, K]``; the SHAPE of ``weight_scale`` (fp32) says its kind: ``[]`` per tensor,
+``[N]`` per output channel (also what per-tensor scales of fused q/k/v or gate/up parts become),
+``[ceil(N/bn), ceil(K/bk)]`` per block, with ``block_size = [bn, bk]``. One op covers all three:
+they differ only in how the scale is broadcast, the graph rewrites (fusion, sharding) treat them
+alike, and the kernels pick their path from the same shape. ``activations`` is ``none``
+(weight-only), ``static`` (``input_scale`` fp32 ``[]``), ``token`` or ``group`` (groups of ``bk``).
+
+``nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias)``: ``weight`` uint8 ``[N, K/2]`` (two
+e2m1 per byte), ``weight_scale`` e4m3 ``[N, K/16]``, ``weight_scale_2`` fp32 ``[]`` (or ``[N]`` when
+fused parts had different global scales). Activations stay in x's dtype: Hopper has no FP4 tensor
+cores, so the checkpoint's ``input_scale`` (for Blackwell's FP4 activations) is not applied.
+
+The torch reference (the CPU path; see ``autodeploy.quantization.numerics``) dequantizes the weight
+to fp32, fake-quantizes the activations as the format says, multiplies in fp32, adds the bias and
+rounds to x's dtype once. On CUDA (``quant_kernel``): up to ``QUANT_GEMV_MAX_ROWS`` rows take the
+weight-only GEMV of ``kernels/quant_gemv.py`` (activations are NOT rounded to FP8 there: decode is
+bound by the weight stream, and skipping the rounding only removes error); more rows take the FP8
+GEMM of ``kernels/quant_gemm.py`` (activations quantized as above), except FP8 weight-only, which
+has no FP8 GEMM and runs the reference.
+
+Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
+<linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
+``(out, x + residual)`` and ``..._swiglu_down(gate_up, <linear args after x>, activation)``: each is
+exactly the norm / ``act(gate) * up`` op followed by the quantized linear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..quantization.numerics import dequantize_fp8, dequantize_nvfp4, fake_quantize_activations
+from ._triton import use_triton
+from .mlp import gated_activation
+from .norm import fused_add_rms_norm, rms_norm
+
+# the agreed boundary of the quantized GEMV kernels (batch-1..4 decode); 0 sends every call to the GEMM
+QUANT_GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_MAX_ROWS", "4"))
+
+
+def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none") -> str:
+    """Which implementation a quantized linear of ``rows`` rows runs: ``gemv``, ``gemm`` or
+    ``reference`` (module doc)."""
+    if not on_gpu:
+        return "reference"
+    if rows <= QUANT_GEMV_MAX_ROWS:
+        return "gemv"
+    if kind == "fp8" and activations == "none":
+        return "reference"
+    return "gemm"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _block(block_size: list[int] | None) -> tuple[int, int] | None:
+    return (int(block_size[0]), int(block_size[1])) if block_size else None
+
+
+def fp8_linear_reference(x, weight, weight_scale, input_scale, bias, block_size, activations) -> torch.Tensor:
+    block = _block(block_size)
+    group = block[1] if block else None
+    xq = fake_quantize_activations(x, activations, input_scale, group)
+    out = xq @ dequantize_fp8(weight, weight_scale, block).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
+    out = x.float() @ dequantize_nvfp4(weight, weight_scale, weight_scale_2).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) -> torch.Tensor:
+    path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "fp8", activations)
+    if path == "reference":
+        return fp8_linear_reference(x, weight, weight_scale, input_scale, bias, block_size, activations)
+    block = _block(block_size)
+    if path == "gemv":
+        from ..kernels.quant_gemv import fp8_gemv
+
+        out = fp8_gemv(_rows(x), weight, weight_scale, block_size=block, bias=bias)
+    else:
+        from ..kernels.quant_gemm import fp8_gemm
+
+        static = input_scale if activations == "static" else None
+        out = fp8_gemm(_rows(x), weight, weight_scale, input_scale=static, block_size=block, bias=bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
+    path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
+    if path == "reference":
+        return nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias)
+    per_row = weight_scale_2.dim() == 1  # fused parts with their own global scales: applied to the output
+    global_scale = weight_scale_2.new_ones(()) if per_row else weight_scale_2
+    if path == "gemv":
+        from ..kernels.quant_gemv import nvfp4_gemv as kernel
+    else:
+        from ..kernels.quant_gemm import nvfp4_gemm as kernel
+    out = kernel(_rows(x), weight, weight_scale, global_scale, bias=None if per_row else bias)
+    if per_row:
+        out = (out.float() * weight_scale_2 + (bias.float() if bias is not None else 0.0)).to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _fake_with_sum(x, residual, weight):
+    summed = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return _fake(summed, weight), summed
+
+
+# ---- FP8 -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("autodeploy::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               block_size: list[int] | None = None, activations: str = "none") -> torch.Tensor:
+    return _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations)
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale, input_scale=None, bias=None, block_size=None, activations="none"):
+    return _fake(x, weight)
+
+
+@torch.library.custom_op("autodeploy::fp8_rms_norm_linear", mutates_args=())
+def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                        weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None, block_size: list[int] | None = None,
+                        activations: str = "none") -> torch.Tensor:
+    return _fp8(rms_norm(x, norm_weight, eps), weight, weight_scale, input_scale, bias, block_size, activations)
+
+
+@fp8_rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, weight_scale, input_scale=None, bias=None, block_size=None, activations="none"):
+    return _fake(x, weight)
+
+
+@torch.library.custom_op("autodeploy::fp8_add_rms_norm_linear", mutates_args=())
+def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, weight_scale: torch.Tensor,
+                            input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                            block_size: list[int] | None = None,
+                            activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return _fp8(normed, weight, weight_scale, input_scale, bias, block_size, activations), summed
+
+
+@fp8_add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, weight_scale, input_scale=None, bias=None, block_size=None,
+      activations="none"):
+    return _fake_with_sum(x, residual, weight)
+
+
+@torch.library.custom_op("autodeploy::fp8_swiglu_down", mutates_args=())
+def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    block_size: list[int] | None = None, activations: str = "none",
+                    activation: str = "silu") -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = gated_activation(gate, up, activation)
+    return _fp8(hidden, weight, weight_scale, input_scale, bias, block_size, activations)
+
+
+@fp8_swiglu_down.register_fake
+def _(gate_up, weight, weight_scale, input_scale=None, bias=None, block_size=None, activations="none",
+      activation="silu"):
+    return _fake(gate_up, weight)
+
+
+# ---- NVFP4 -----------------------------------------------------------------------------------------
+
+@torch.library.custom_op("autodeploy::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _nvfp4(x, weight, weight_scale, weight_scale_2, bias)
+
+
+@nvfp4_linear.register_fake
+def _(x, weight, weight_scale, weight_scale_2, bias=None):
+    return _fake(x, weight)
+
+
+@torch.library.custom_op("autodeploy::nvfp4_rms_norm_linear", mutates_args=())
+def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
+
+
+@nvfp4_rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
+    return _fake(x, weight)
+
+
+@torch.library.custom_op("autodeploy::nvfp4_add_rms_norm_linear", mutates_args=())
+def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return _nvfp4(normed, weight, weight_scale, weight_scale_2, bias), summed
+
+
+@nvfp4_add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
+    return _fake_with_sum(x, residual, weight)
+
+
+@torch.library.custom_op("autodeploy::nvfp4_swiglu_down", mutates_args=())
+def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
+                      activation: str = "silu") -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _nvfp4(gated_activation(gate, up, activation), weight, weight_scale, weight_scale_2, bias)
+
+
+@nvfp4_swiglu_down.register_fake
+def _(gate_up, weight, weight_scale, weight_scale_2, bias=None, activation="silu"):
+    return _fake(gate_up, weight)
