@@ -33,7 +33,7 @@ def test_precedence_defaults_env_yaml_flags_set(capsys, monkeypatch, tmp_path):
     path.write_text(yaml.safe_dump({"max_batch_size": 8, "port": 9000, "max_num_tokens": 100, "api_key": "from-yaml",
                                     "enable_prefix_caching": False}))
     config = print_config(capsys, "--config", str(path))
-    assert (config["max_batch_size"], config["port"], config["api_key"]) == (8, 9000, "***")
+    assert (config["max_batch_size"], config["port"], config["api_key"]) == (8, 9000, ["***"])
     config = print_config(capsys, "--config", str(path), "--max_batch_size", "16", "--port", "9001",
                           "--set", "max_batch_size=32", "--enable-prefix-caching")
     assert (config["max_batch_size"], config["port"], config["max_num_tokens"]) == (32, 9001, 100)
