@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from .chat_template import TemplateSandbox
 from .errors import bad_request
 from .limits import RequestLimits
+from .stop_strings import stop_matcher
 from .tokenizer import check_template_kwargs, longest_token_chars, render_chat_text
 
 NORMALIZER_SLACK = 2
@@ -48,6 +49,9 @@ class Preprocessor:
         self._require_tokenizer("messages", "use /v1/completions with token ids")
         kwargs = dict(template_kwargs or {})
         client_template = chat_template if chat_template is not None else kwargs.pop("chat_template", None)
+        if client_template is not None and self._sandbox is None:
+            raise bad_request("this server does not accept chat templates from clients (its operator can allow "
+                              "them with --trust_request_chat_template)", "chat_template")
         try:
             if client_template is not None:
                 text = await self._run(self._render_client_template, client_template, messages, add_generation_prompt,
@@ -62,6 +66,11 @@ class Preprocessor:
         self._check_chars(text, "messages")
         # the template writes the special tokens (BOS...) itself
         return await self._run(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def prepare_stop_strings(self, stop: tuple[str, ...]) -> None:
+        """Build the stop strings' automaton here (cached), so the engine's thread finds it built."""
+        if stop:
+            await self._run(stop_matcher, tuple(stop))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, token_ids)
@@ -85,9 +94,6 @@ class Preprocessor:
 
     def _render_client_template(self, source: str, messages, add_generation_prompt: bool, continue_final_message: bool,
                                 tools, kwargs: dict[str, Any]) -> str:
-        if self._sandbox is None:
-            raise ValueError("this server does not accept chat templates from clients "
-                             "(its operator can allow them with --trust_request_chat_template)")
         if continue_final_message:
             raise ValueError("continue_final_message is not supported with a client's chat template")
         special = {k: v for k, v in getattr(self.tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}

@@ -35,6 +35,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         tools=body.tools, chat_template=body.chat_template, template_kwargs=body.chat_template_kwargs,
     )
     params = admit(state, engine, prompt_ids, body.to_sampling_params, body.requested_max_tokens(), "messages")
+    await state.preprocess.prepare_stop_strings(params.stop)
     request_id = new_id("chatcmpl")
     stream = engine.generate(request_id, prompt_ids, params)
     view = _ChatView(body, state, request_id)

@@ -32,6 +32,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     state.limits.check_sequences(len(prompts), body.n)
     token_lists = await asyncio.gather(*(state.preprocess.encode(p, body.add_special_tokens) for p in prompts))
     params = [admit(state, engine, ids, body.to_sampling_params, body.max_tokens, "prompt") for ids in token_lists]
+    await state.preprocess.prepare_stop_strings(params[0].stop)
     request_id = new_id("cmpl")
     streams = [engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
     view = _CompletionView(body, state, request_id, prompts)
