@@ -29,9 +29,17 @@ def error_responses(statuses: tuple[int, ...]) -> dict[int | str, dict[str, Any]
     return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
+SSE_EVENT = {  # (before OpenAPI 3.2, the schema of an event stream describes one event)
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "one chunk as JSON (the response's shape with the "
+                                                              "new text; or an error object), or [DONE] last"}},
+    "required": ["data"],
+}
+
+
 def streaming_response(model: type) -> dict[int | str, dict[str, Any]]:
     """A 200 that is JSON, or server-sent events when the request sets ``stream``."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def install_openapi(app: FastAPI, limits: RequestLimits) -> None:
