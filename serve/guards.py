@@ -6,7 +6,9 @@
   with no keys in it refuses everyone: the guard fails closed.
 - The body is read here, up to ``--max_request_body_bytes``: a larger declared ``Content-Length``
   gets 413 before anything is read, a larger body 413 as soon as it passes the limit, so no handler,
-  JSON parser or tokenizer ever sees it.
+  JSON parser or tokenizer ever sees it. The rest of a body of up to ``DISCARD_LIMIT_BYTES`` is then
+  read and dropped, so the client, still sending, gets to read the 413 instead of a reset
+  connection; a larger one is cut off.
 
 A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the
 handlers (``Request.is_disconnected``), and those abort requests.
@@ -29,6 +31,7 @@ log = logging.getLogger("autodeploy.serve.guards")
 
 OPEN_PATHS = frozenset({"/health"})
 KEY_FILE_RECHECK_SECONDS = 1.0
+DISCARD_LIMIT_BYTES = 32 * 2**20  # a refused body larger than this is cut off, not read to its end
 
 
 class APIKeys:
@@ -92,12 +95,14 @@ class RequestGuard:
                 return await _reply(scope, receive, send, 401, "invalid or missing API key",
                                     {"WWW-Authenticate": "Bearer"})
         declared = headers.get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.max_body_bytes:
-            return await _reply(scope, receive, send, 413 if declared.isdigit() else 400, self._too_large()
-                                if declared.isdigit() else "invalid Content-Length header")
-        body = await _read_body(receive, self.max_body_bytes)
+        if not declared.isdigit():
+            return await _reply(scope, receive, send, 400, "invalid Content-Length header")
+        body = None if int(declared) > self.max_body_bytes else await _read_body(receive, self.max_body_bytes)
         if body is None:
-            return await _reply(scope, receive, send, 413, self._too_large())
+            await _reply(scope, receive, send, 413, self._too_large())
+            if int(declared) <= DISCARD_LIMIT_BYTES:
+                await _discard_body(receive)
+            return
         await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> str:
@@ -121,6 +126,15 @@ async def _read_body(receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
+async def _discard_body(receive) -> None:
+    dropped = 0
+    while dropped <= DISCARD_LIMIT_BYTES:  # (a chunked body declares no length: bounded here)
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
+
+
 def _replay(body: bytes, receive):
     """A ``receive`` that hands out the body read already, then passes on to the real one
     (which reports the client's disconnect)."""
@@ -137,7 +151,4 @@ def _replay(body: bytes, receive):
 
 
 async def _reply(scope, receive, send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    headers = dict(headers or {})
-    if status == 413:
-        headers["Connection"] = "close"  # the rest of the body is not read
     await JSONResponse(error_body(status, message), status_code=status, headers=headers)(scope, receive, send)

@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import bad_request
 
+# the most any server takes (the request schema says so, and stops reading a longer list there);
+# the operator's flags choose limits up to these
+STOP_STRINGS_CEILING = 1024
+STOP_STRING_CHARS_CEILING = 4096
+
 
 class RequestLimits(BaseModel):
     """What one request may ask of the server. Every field is a ``serve`` flag of the same name."""
@@ -20,8 +25,9 @@ class RequestLimits(BaseModel):
                                         "a larger one gets 413 before it is read")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt in tokens (default: the "
                                           "model's context length)")
-    max_stop_strings: int = Field(32, ge=0, description="most stop strings in one request")
-    max_stop_string_chars: int = Field(256, ge=1, description="longest stop string, in characters")
+    max_stop_strings: int = Field(32, ge=0, le=STOP_STRINGS_CEILING, description="most stop strings in one request")
+    max_stop_string_chars: int = Field(256, ge=1, le=STOP_STRING_CHARS_CEILING,
+                                       description="longest stop string, in characters")
     max_sequences_per_request: int = Field(1024, ge=1, description="most sequences (prompts x n) one request "
                                            "may start")
     trust_request_chat_template: bool = Field(False, description="accept chat templates sent by clients "

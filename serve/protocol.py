@@ -15,14 +15,28 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from autodeploy.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_SEED,
                                         MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams)
 
+from .limits import STOP_STRING_CHARS_CEILING, STOP_STRINGS_CEILING
+
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
+StopString = Annotated[str, Field(max_length=STOP_STRING_CHARS_CEILING)]
+
+
+def _count_stops_first(value: Any) -> Any:
+    """A list longer than any server takes is refused before its items are validated one by one."""
+    if isinstance(value, list) and len(value) > STOP_STRINGS_CEILING:
+        raise ValueError(f"at most {STOP_STRINGS_CEILING} stop strings are allowed, got {len(value)}")
+    return value
+
+
+StopStrings = Annotated[StopString | Annotated[list[StopString], Field(max_length=STOP_STRINGS_CEILING)] | None,
+                        BeforeValidator(_count_stops_first)]
 
 
 class OpenAIModel(BaseModel):
@@ -42,7 +56,7 @@ class SamplingFields(OpenAIModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)

@@ -101,7 +101,8 @@ def test_tokenization_never_blocks_the_event_loop(compiled, tokenizer, monkeypat
 # ---- finding 5: a huge stop list slowed every other request ----
 
 def test_stop_lists_over_the_limits_are_400s(live):
-    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["zz"] * 200_000}), 400, "--max_stop_strings")
+    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["zz"] * 200_000}), 400, "at most 1024 stop")
+    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["zz"] * 100}), 400, "--max_stop_strings")
     assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["z" * 5000]}), 400, "--max_stop_string_chars")
     chat = {"messages": [{"role": "user", "content": "hi"}], "stop": ["zz"] * 1000}
     assert_error(post(live.url, "/v1/chat/completions", chat), 400, "--max_stop_strings")
