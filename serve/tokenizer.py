@@ -29,23 +29,11 @@ def load_tokenizer(path: str | Path | None, chat_template: str | None = None, tr
     return tokenizer
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """Prompt token ids of a conversation, through the tokenizer's chat template.
-
-    Raises ``ValueError`` when there is no template or the template rejects the messages.
-    """
-    text = render_chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                            continue_final_message=continue_final_message, tools=tools, template_kwargs=template_kwargs)
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    """Prompt token ids of a conversation, through the tokenizer's chat template (``options`` as
+    :func:`render_chat_text`). Raises ``ValueError`` when there is no template or it rejects the messages."""
     # The template writes the special tokens (BOS...) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(render_chat_text(tokenizer, messages, **options), add_special_tokens=False)
 
 
 def render_chat_text(

@@ -145,3 +145,14 @@ def live(compiled, tokenizer):
     yield server
     server.close()
     state.engine.shutdown()
+
+
+def wait_for_url(proc) -> str:
+    """The URL an ``autodeploy serve`` subprocess says it listens on (read from its stderr)."""
+    import re
+
+    for line in proc.stderr:
+        match = re.search(r"listening on (http://\S+)", line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no 'listening on' line; exit code {proc.wait()}")

@@ -3,7 +3,6 @@ error event and [DONE] (streams) or a 503; new requests get 503; the process exi
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import httpx
 
-from conftest import serving
+from conftest import serving, wait_for_url
 
 
 def _stream(url: str, body: dict, events: list, first_token: threading.Event) -> None:
@@ -61,13 +60,6 @@ def test_after_the_drain_timeout_streams_end_with_an_error_event_and_done(compil
     assert took < 5
 
 
-def _wait_for_url(proc) -> str:
-    for line in proc.stderr:
-        match = re.search(r"listening on (http://\S+)", line)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"no 'listening on' line; exit code {proc.wait()}")
-
 
 def test_sigterm_drains_and_exits_0_without_tracebacks(tiny_dir):
     argv = [sys.executable, "-m", "autodeploy.cli", "serve", str(tiny_dir), "--port", "0", "--device", "cpu",
@@ -77,7 +69,7 @@ def test_sigterm_drains_and_exits_0_without_tracebacks(tiny_dir):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     events, first_token = [], threading.Event()
     try:
-        url = _wait_for_url(proc)
+        url = wait_for_url(proc)
         deadline = time.monotonic() + 150
         while httpx.get(url + "/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)

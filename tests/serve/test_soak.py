@@ -24,6 +24,8 @@ import time
 import httpx
 import pytest
 
+from conftest import wait_for_url
+
 NUM_VALID = 800
 NUM_OTHER = 1200  # invalid, aborted and hostile: 2,000 requests in the mixed run
 VALID_CONCURRENCY = 8
@@ -160,13 +162,7 @@ def _start_server(tiny_dir) -> tuple[subprocess.Popen, str]:
             "--tokens_per_block", "8", "--served_model_name", "tiny"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    for line in proc.stderr:
-        match = re.search(r"listening on (http://\S+)", line)
-        if match:
-            url = match.group(1)
-            break
-    else:
-        raise AssertionError(f"the server did not start: exit code {proc.wait()}")
+    url = wait_for_url(proc)
     proc.log = []  # read on, so the server never blocks on a full pipe
     threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True).start()
     deadline = time.monotonic() + 180
