@@ -103,7 +103,8 @@ def test_tokenization_never_blocks_the_event_loop(compiled, tokenizer, monkeypat
 def test_stop_lists_over_the_limits_are_400s(live):
     assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["zz"] * 200_000}), 400, "at most 1024 stop")
     assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["zz"] * 100}), 400, "--max_stop_strings")
-    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["z" * 5000]}), 400, "--max_stop_string_chars")
+    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["z" * 1000]}), 400, "--max_stop_string_chars")
+    assert_error(post(live.url, COMPLETIONS, {"prompt": "hi", "stop": ["z" * 5000]}), 400, "stop")  # past any limit
     chat = {"messages": [{"role": "user", "content": "hi"}], "stop": ["zz"] * 1000}
     assert_error(post(live.url, "/v1/chat/completions", chat), 400, "--max_stop_strings")
 
@@ -172,3 +173,44 @@ def test_openapi_describes_the_real_error_responses(live):
     assert fields["n"]["maximum"] == 128 and top_k["maximum"] == 2**31 - 1
     assert "text/event-stream" in responses["200"]["content"]
     assert schema["info"]["x-request-limits"]["max_request_body_bytes"] == 4 * 2**20
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_corrupt_safetensors_file_is_reported_before_compiling(tiny_dir, tmp_path, monkeypatch):
+    import autodeploy
+    from autodeploy import compiler
+    from autodeploy.errors import ModelLoadError
+
+    ckpt = _copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    (weights,) = ckpt.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated download
+    monkeypatch.setattr(compiler, "export_model", lambda *a: pytest.fail("compiled a corrupt checkpoint"))
+    with pytest.raises(ModelLoadError, match=f"{weights.name} is not a valid safetensors file"):
+        autodeploy.compile(ckpt, device="cpu")
+
+
+def test_loading_refusals_name_the_flags_as_the_cli_spells_them(tiny_dir, tmp_path):
+    import torch
+
+    from autodeploy.errors import ModelLoadError
+    from autodeploy.model_loading import open_checkpoint
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tiny_dir / "config.json").read_text())
+    torch.save({"w": torch.zeros(1)}, pickled / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pass --allow_pickle"):
+        open_checkpoint(pickled)
+    remote = _copy_checkpoint(tiny_dir, tmp_path / "remote")
+    config = json.loads((remote / "config.json").read_text())
+    config.update(model_type="custom-thing", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (remote / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="Pass --trust_remote_code") as error:
+        open_checkpoint(remote)
+    assert "trust_remote_code=True in Python" in str(error.value)
