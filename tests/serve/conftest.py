@@ -145,6 +145,7 @@ def live(compiled, tokenizer):
     yield server
     server.close()
     state.engine.shutdown()
+    state.preprocess.close()
 
 
 def wait_for_url(proc) -> str:
