@@ -59,11 +59,34 @@ def open_checkpoint(
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:  # unknown model_type, or remote code refused
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(
+                f"{path} needs its own Python code to load (config.json points to custom code), and running it "
+                "can do anything. Pass --trust_remote_code (trust_remote_code=True in Python) only if you trust "
+                "the source."
+            ) from exc
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     files = _weight_files(path, allow_pickle)
     if require_weights and not files:
         raise ModelLoadError(f"no *.safetensors weights in {path}")
+    if require_weights:
+        _check_safetensors_headers(files)
     return Checkpoint(path, config, tuple(files), trust_remote_code)
+
+
+def _check_safetensors_headers(files: list[Path]) -> None:
+    """Read each safetensors header now (it is small), so a truncated or corrupt file is reported at
+    once, not after the export and the passes have run."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        if file.suffix != SAFETENSORS_SUFFIX:
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file} is not a valid safetensors file ({exc}); download or convert it again") from exc
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> list[Path]:
@@ -74,7 +97,8 @@ def _weight_files(path: Path, allow_pickle: bool) -> list[Path]:
     if pickled and not allow_pickle:
         raise ModelLoadError(
             f"{path} holds only pickle weights ({pickled[0].name}); loading pickle can run arbitrary code. "
-            "Convert them to safetensors, or pass allow_pickle=True (--allow_pickle) if you trust the source."
+            "Convert them to safetensors, or pass --allow_pickle (allow_pickle=True in Python) if you trust the "
+            "source."
         )
     return pickled
 

@@ -1,15 +1,25 @@
 """``SamplingParams``: how one request is decoded (public API, consumed by the engine).
 
 Field names and meanings follow vLLM's ``SamplingParams``, which OpenAI-compatible clients assume.
-Values are checked once, here; everything downstream trusts them.
+Values are checked once, here; everything downstream trusts them. The bounds below are what the
+engine's tensors can hold (token ids and counts go into int32/int64 tensors, seeds into a
+``torch.Generator``); the HTTP request models take their limits from here, so ``/openapi.json``
+shows the same numbers.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # most top-logprobs a request may ask for (OpenAI allows 20 in chat)
+MAX_INT32 = 2**31 - 1  # token ids, top_k, max_tokens, min_tokens: int32/int64 tensors and index math
+MAX_TOKEN_ID = MAX_INT32
+MAX_SEED = 2**63 - 1 - 1024  # seed + choice index (n <= MAX_N) stays a valid Generator seed
+MAX_N = 128  # choices per request over HTTP
+MAX_REPETITION_PENALTY = 100.0  # logits are divided/multiplied by it in float32
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids per request (each a set lookup per generated token)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
@@ -89,26 +99,31 @@ def _problems(p: SamplingParams):
         yield f"max_tokens must be at least 1, got {p.max_tokens}"
     if p.min_tokens < 0 or (p.max_tokens is not None and p.min_tokens > p.max_tokens):
         yield f"min_tokens must be in [0, max_tokens], got {p.min_tokens}"
-    if p.temperature < 0:
-        yield f"temperature must be non-negative, got {p.temperature}"
-    if not 0 < p.top_p <= 1:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        yield f"temperature must be a finite non-negative number, got {p.temperature}"
+    if not 0 < p.top_p <= 1:  # (false for NaN too, as below)
         yield f"top_p must be in (0, 1], got {p.top_p}"
-    if p.top_k < 0:
-        yield f"top_k must be 0 or -1 (disabled) or a positive number, got {p.top_k}"
+    if not 0 <= p.top_k <= MAX_INT32:
+        yield f"top_k must be 0 or -1 (disabled) or a positive number up to {MAX_INT32}, got {p.top_k}"
+    for name in ("max_tokens", "min_tokens"):
+        if (getattr(p, name) or 0) > MAX_INT32:
+            yield f"{name} must be at most {MAX_INT32}, got {getattr(p, name)}"
     if not 0 <= p.min_p <= 1:
         yield f"min_p must be in [0, 1], got {p.min_p}"
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(p, name) <= 2:
             yield f"{name} must be in [-2, 2], got {getattr(p, name)}"
-    if p.repetition_penalty <= 0:
-        yield f"repetition_penalty must be positive, got {p.repetition_penalty}"
+    if not 0 < p.repetition_penalty <= MAX_REPETITION_PENALTY:
+        yield f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty}"
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(p, name)
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             yield f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"
     if any(not s for s in p.stop):
         yield "stop strings must not be empty"
-    if any(t < 0 for t in p.stop_token_ids):
-        yield "stop_token_ids must be non-negative"
-    if p.seed is not None and not 0 <= p.seed < 2**63:
-        yield f"seed must be in [0, 2**63), got {p.seed}"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
+        yield f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]"
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        yield f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}"
+    if p.seed is not None and not 0 <= p.seed <= MAX_SEED:
+        yield f"seed must be in [0, {MAX_SEED}], got {p.seed}"

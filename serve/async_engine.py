@@ -4,6 +4,10 @@ One thread owns the :class:`Engine` and runs steps while there is work. Coroutin
 through a command queue (add, abort) and receive their request's delta outputs on an
 ``asyncio.Queue``. Leaving :meth:`AsyncEngine.generate` early (a cancelled task, a closed stream,
 a disconnected client) aborts the request, and the engine frees its blocks before its next step.
+
+A request that fails in the engine (a report with ``error``) raises :class:`RequestFailedError` in
+its own stream only. The thread stops only when a step raises (a device fault): then every stream
+gets :class:`EngineDeadError` and ``error`` says why.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ log = logging.getLogger("autodeploy.serve.async_engine")
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; every request in flight gets this error."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed in the engine (a server-side error); the engine serves the others."""
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down and the drain timeout has passed: this request was cut short."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(f"the request failed in the engine ({item.error}); "
+                                             "other requests are not affected")
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -106,6 +121,16 @@ class AsyncEngine:
         self._wake.set()
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError(f"the engine failed: {exc!r}"))
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose clients are still being served."""
+        return len(self._streams)
+
+    def end_all_streams(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` (their streams abort them in the engine)."""
+        for request_id in list(self._streams):
+            self._deliver(request_id, error)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
@@ -129,7 +154,8 @@ class AsyncEngine:
                 self._dispatch(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 (a failed step must reach every waiting client)
             if self.error is None:
-                log.exception("engine step failed; failing all requests")
+                log.exception("the engine stopped (a device fault, or a bug outside any one request); "
+                              "failing all requests")
             self.fail(exc)
 
     def _drain_commands(self) -> None:
@@ -142,8 +168,8 @@ class AsyncEngine:
                 self._add(command)
             else:
                 aborted = self.engine.abort_request(command.request_id)
-                if aborted is not None and self.on_outputs is not None:
-                    self.on_outputs([aborted])
+                if aborted is not None:
+                    self._observe([aborted])
 
     def _add(self, command: _Add) -> None:
         if command.request_id not in self._streams:
@@ -152,11 +178,23 @@ class AsyncEngine:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.arrival_time)
         except ValueError as exc:
             self._deliver(command.request_id, exc)
+        except Exception as exc:  # noqa: BLE001 (this request alone fails)
+            log.exception("request %s could not be added", command.request_id)
+            self.engine.abort_request(command.request_id)
+            self._deliver(command.request_id, RequestFailedError(f"the request could not be added: {exc!r}"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if self.on_outputs is not None and outputs:
-            self.on_outputs(outputs)
+        if outputs:
+            self._observe(outputs)
         self._deliver_all([(out.request_id, out) for out in outputs])
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is None:
+            return
+        try:
+            self.on_outputs(outputs)
+        except Exception:  # noqa: BLE001 (metrics must never stop the engine)
+            log.exception("the outputs observer failed; serving goes on")
 
     def _deliver(self, request_id: str, item) -> None:
         self._deliver_all([(request_id, item)])

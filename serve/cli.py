@@ -17,14 +17,16 @@ from typing import Any
 from autodeploy.cli import COMPILE_FLAGS, add_compile_options, flag, settings_from_args
 from autodeploy.config import CompileConfig, validate
 
+from .limits import RequestLimits
 from .startup import ServeSettings
 
 log = logging.getLogger("autodeploy.serve")
 
 SERVE_FLAGS: list[tuple[str, type]] = [
     ("host", str), ("port", int), ("served_model_name", str), ("tokenizer", str), ("chat_template", str),
-    ("api_key", str),
+    ("api_key_file", str), ("drain_timeout", float),
 ]
+SWITCHES = ["metrics_without_key"]  # ServeSettings booleans that a bare flag turns on
 # other spellings of the same settings: vLLM's names and trtllm-serve's older ones
 ALIASES: dict[str, tuple[str, type]] = {
     "--max-num-seqs": ("max_batch_size", int), "--max-model-len": ("max_seq_len", int),
@@ -43,6 +45,14 @@ def add_serve_command(subparsers: Any) -> None:
     fields = ServeSettings.model_fields
     for name, kind in SERVE_FLAGS:
         flag(p, name, type=kind, default=None, help=fields[name].description)
+    flag(p, "api_key", action="append", default=None, help=fields["api_key"].description)
+    for name in SWITCHES:
+        flag(p, name, action="store_true", default=None, help=fields[name].description)
+    for name, field in RequestLimits.model_fields.items():
+        if field.annotation is bool:
+            flag(p, name, action="store_true", default=None, help=field.description)
+        else:
+            flag(p, name, type=float if field.annotation is float else int, default=None, help=field.description)
     for spelling, (dest, kind) in ALIASES.items():
         p.add_argument(spelling, dest=dest, type=kind, default=None, help=argparse.SUPPRESS)
     flag(p, "enable_prefix_caching", action="store_true", default=None, help=fields["enable_prefix_caching"].description)
@@ -55,11 +65,15 @@ def add_serve_command(subparsers: Any) -> None:
 
 def serve_settings(args: argparse.Namespace) -> tuple[ServeSettings, dict[str, Any]]:
     """Server settings and compile options from every source, in precedence order."""
-    names = [n for n, _ in SERVE_FLAGS] + [n for n, _ in COMPILE_FLAGS] + [
-        "enable_prefix_caching", "trust_remote_code", "allow_pickle"]
+    names = [n for n, _ in SERVE_FLAGS] + [n for n, _ in COMPILE_FLAGS] + SWITCHES + list(RequestLimits.model_fields) + [
+        "api_key", "enable_prefix_caching", "trust_remote_code", "allow_pickle"]
     merged = settings_from_args(args, names)
     if os.environ.get(API_KEY_ENV) and "api_key" not in merged:
         merged["api_key"] = os.environ[API_KEY_ENV]
+    # the limits are flat flags (and flat YAML keys) but one nested model
+    limits = {k: merged.pop(k) for k in list(merged) if k in RequestLimits.model_fields}
+    if limits:
+        merged["limits"] = {**(merged.get("limits") or {}), **limits}
     serve_part = {k: v for k, v in merged.items() if k in ServeSettings.model_fields}
     compile_part = {k: v for k, v in merged.items() if k not in ServeSettings.model_fields}
     settings = validate(ServeSettings, serve_part, "serve settings")
@@ -80,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.default_model_name = DEMO_MODEL_NAME
     settings, compile_options = serve_settings(args)
     if args.print_config:
-        shown = settings.model_dump() | {"api_key": "***" if settings.api_key else None}
+        shown = settings.model_dump() | {"api_key": ["***"] * len(settings.api_key) if settings.api_key else None}
         effective = CompileConfig(**compile_options).model_dump()
         print(yaml.safe_dump({"model_dir": args.model_dir, **shown, **effective}, sort_keys=False), end="")
         return 0
@@ -97,13 +111,15 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
 
     from .server import build_app
     from .serving_common import ServerState
+    from .shutdown import DrainingServer
     from .startup import bind_socket, load_in_background, load_model
 
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
     url = f"http://{settings.host}:{port}"
-    state = ServerState(settings.served_model_name, settings.api_key)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, timeout_graceful_shutdown=5))
+    state = ServerState(settings.served_model_name, settings.api_key, settings.api_key_file,
+                        settings.metrics_without_key, settings.limits)
+    server = DrainingServer(uvicorn.Config(build_app(state), log_level=log_level), state, settings.drain_timeout)
     failure: list[BaseException] = []
     closers: list = []
 
@@ -121,13 +137,13 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     load_in_background(lambda: load_model(model_dir, settings, compile_options, url), on_loaded, on_error)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal stop
-        pass
     finally:
         if state.engine is not None:
             state.engine.shutdown()
         for close in closers:
             close()
+        if state.preprocess is not None:
+            state.preprocess.close()
     return 1 if failure else 0
 
 

@@ -5,15 +5,19 @@ text than before and does not end in a partial UTF-8 character (``\\ufffd``): by
 splits one character over several tokens, and a token's leading space depends on the token
 before it. The window starts in the prompt, so the first generated token gets its space right.
 
-Stop strings: after each token, the new tail of the text is searched for any stop string; the
-text is cut there (keeping the stop string only with ``include_stop_str_in_output``). While
-streaming, a tail of the text that could still become a stop string is held back, so no text is
-ever sent that a later stop string would have removed.
+Stop strings: after each token, the new text goes through the stop strings' automaton
+(``stop_strings``: one step per character, however many stop strings there are); when one ends
+there, the text is cut where the earliest one starts (keeping the stop string only with
+``include_stop_str_in_output``). While streaming, a tail of the text that could still become a stop
+string is held back (read off the automaton's state), so no text is ever sent that a later stop
+string would have removed.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+from .stop_strings import stop_matcher
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded together with the first generated ones
 
@@ -31,6 +35,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop_str_in_output
+        self._stops = stop_matcher(tuple(stop)) if stop else None
+        self._stop_state = 0
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -47,13 +53,18 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # wait for the rest of a multi-byte character
         before = len(self.text)
-        self.text += full[len(prefix) :]
+        new = full[len(prefix) :]
+        self.text += new
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._cut_at_stop(before) if check_stop else None
+        if self._stops is None:
+            return None
+        self._stop_state, ended = self._stops.advance(self._stop_state, new)
+        return self._cut_at_stop(before) if ended and check_stop else None
 
     def take_new_text(self, finished: bool) -> str:
         """Text not handed out yet, minus a tail that could still grow into a stop string."""
-        end = len(self.text) if finished else len(self.text) - self._stop_prefix_len()
+        held = self._stops.held(self._stop_state) if self._stops is not None and not finished else 0
+        end = len(self.text) - held
         new = self.text[self._sent : max(end, self._sent)]
         self._sent += len(new)
         return new
@@ -64,6 +75,7 @@ class IncrementalDetokenizer:
         )
 
     def _cut_at_stop(self, new_from: int) -> str | None:
+        """Where the earliest stop string in the new text starts (only run once one has ended there)."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
             # a stop string may start up to len(stop) - 1 characters before the new text
@@ -75,13 +87,3 @@ class IncrementalDetokenizer:
         at, stop = best
         self.text = self.text[: at + len(stop) if self.include_stop else at]
         return stop
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest

@@ -5,6 +5,12 @@ mixed, see ``scheduler``), runs it, appends the sampled tokens, detokenizes, app
 conditions and returns a delta :class:`RequestOutput` for every request that changed. Finished
 and aborted sequences give their KV blocks back at once.
 
+Failure isolation: a step that fails because of one request fails that request alone (a report
+with ``error`` set; its blocks are freed) and the engine goes on. Bookkeeping is guarded per
+sequence; a launch that raises is retried on halves of its requests until the failing ones are
+found. Only a device fault (a CUDA error: the device is unusable for everyone) propagates. None of
+this costs anything while nothing fails (``try`` is free in Python 3.11+).
+
 Overlap (async scheduling, as vLLM's and TensorRT-LLM's overlap scheduler): on CUDA, step n + 1 is
 scheduled and launched before step n's sampled tokens reach the host. Each token step n samples is a
 placeholder in its sequence until then, and step n + 1 reads it from the device (see ``runner``).
@@ -108,7 +114,7 @@ class Engine:
         prompt = tuple(int(t) for t in prompt_token_ids)
         self.check_request(prompt, params)
         request = Request(request_id, prompt, params, arrival_time or time.monotonic(),
-                          frozenset(self.eos_token_ids), self._total_tokens(prompt, params))
+                          frozenset(self.eos_token_ids), self._total_tokens(prompt, params), frozenset(params.stop_token_ids))
         seqs = new_sequences(request, self.tokenizer)
         for seq in seqs:
             if params.seed is not None:
@@ -164,7 +170,13 @@ class Engine:
         if not schedule.chunks and self._in_flight is None and self.scheduler.has_work:
             # cannot happen when requests are validated against the pool size; never spin silently
             raise RuntimeError("the scheduler made no progress with requests waiting")
-        launched = self.runner.launch(schedule, self._in_flight) if schedule.chunks else None
+        launched = None
+        if schedule.chunks:
+            try:
+                launched = self.runner.launch(schedule, self._in_flight)
+            except Exception as exc:  # noqa: BLE001 (find the request that broke it; a device fault re-raises)
+                raise_if_device_fault(exc)
+                return reports + self._launch_isolating(schedule)
         if self._in_flight is not None:
             reports += self._resolve(self._in_flight)  # while the device runs the step just launched
         self._in_flight = self._mark_launched(launched) if launched is not None else None
@@ -172,6 +184,45 @@ class Engine:
             reports += self._resolve(self._in_flight)
             self._in_flight = None
         return reports
+
+    def _launch_isolating(self, schedule: Schedule) -> list[RequestOutput]:
+        """A launch raised: resolve the step in flight, then run the schedule's chunks again in groups
+        of requests, halving a group that fails until the requests that fail alone are found."""
+        reports = []
+        if self._in_flight is not None:
+            reports += self._resolve(self._in_flight)
+            self._in_flight = None
+        return reports + self._run_split([c for c in schedule.chunks if not c.seq.is_finished])
+
+    def _run_split(self, chunks: list) -> list[RequestOutput]:
+        if not chunks:
+            return []
+        try:
+            step = self.runner.launch(Schedule(tuple(chunks)))
+        except Exception as exc:  # noqa: BLE001
+            raise_if_device_fault(exc)
+            ids = list(dict.fromkeys(c.seq.request.request_id for c in chunks))
+            if len(ids) == 1:
+                failed = self._fail_request(ids[0], exc)
+                return [failed] if failed is not None else []
+            first = set(ids[: len(ids) // 2])
+            return (self._run_split([c for c in chunks if c.seq.request.request_id in first])
+                    + self._run_split([c for c in chunks if c.seq.request.request_id not in first]))
+        return self._resolve(self._mark_launched(step))
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+        """One request broke a step (its parameters, its detokenization...): it alone fails."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return None
+        log.error("request %s failed in the engine (%s: %s); the others go on", request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        for seq in seqs:
+            seq.drop_pending_tokens()
+            if not seq.is_finished:
+                self._finish(seq, "error", None)
+        return RequestOutput(request_id, seqs[0].request.prompt_token_ids, (), True,
+                             metrics=_request_metrics(seqs, True), error=f"{type(exc).__name__}: {exc}")
 
     def _may_schedule_ahead(self, in_flight: PendingStep) -> bool:
         return self.overlap and not any(seq.params.uses_penalties for seq in in_flight.rows)
@@ -195,22 +246,26 @@ class Engine:
         result = step.wait()
         self.wait_seconds += time.perf_counter() - waited
         self.last_resolved = step.schedule
-        sampled = []
+        sampled, failed = [], []
         caching, now = self.blocks.enable_prefix_caching, time.monotonic()
         # (this loop runs for every sequence of every step: checks that are mostly false come first)
         for chunk in step.schedule.chunks:
             seq = chunk.seq
             if seq.is_finished:  # aborted or stopped while the step ran
                 continue
-            if caching and seq.status is Status.RUNNING:  # not preempted since: still holds the blocks
-                seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, chunk.end, seq.block_keys)
-            if seq.request.params.prompt_logprobs is not None:
-                self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
-            sampled_token = result.tokens.get(seq)
-            if sampled_token is not None:
-                self._accept_token(seq, step.token_index[seq], *sampled_token, now)
-                sampled.append(seq)
-        return self._report(sampled)
+            try:
+                if caching and seq.status is Status.RUNNING:  # not preempted since: still holds the blocks
+                    seq.block_keys += self.blocks.cache_full_blocks(seq.block_ids, seq.token_ids, chunk.end,
+                                                                    seq.block_keys)
+                if seq.request.params.prompt_logprobs is not None:
+                    self._collect_prompt_logprobs(seq, result.prompt_logprobs.get(seq, {}))
+                sampled_token = result.tokens.get(seq)
+                if sampled_token is not None:
+                    self._accept_token(seq, step.token_index[seq], *sampled_token, now)
+                    sampled.append(seq)
+            except Exception as exc:  # noqa: BLE001 (this request alone fails)
+                failed.append(self._fail_request(seq.request.request_id, exc))
+        return self._report(sampled) + [f for f in failed if f is not None]
 
     def _accept_token(self, seq: Sequence, index: int, token: int, logprob, now: float) -> None:
         """The sampled token replaces its placeholder (the last token id of the sequence)."""
@@ -224,7 +279,7 @@ class Engine:
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in seq.request.eos_token_ids:
                 self._finish(seq, "stop", None)
-            elif token in params.stop_token_ids:
+            elif token in seq.request.stop_token_ids:
                 self._finish(seq, "stop", token)
         if not seq.is_finished and seq.num_tokens >= seq.request.max_total_tokens:
             self._finish(seq, "length", None)
@@ -249,18 +304,29 @@ class Engine:
         A ``FINAL_ONLY`` request is detokenized once when it finishes (every step only if it has
         stop strings to find) and reported once, when all its sequences have finished."""
         touched: dict[str, list[Sequence]] = {}
+        reports = []
         for seq in seqs:
             current = self._requests.get(seq.request.request_id)
-            if current is None or seq not in current:  # aborted meanwhile
+            if current is None or seq not in current:  # aborted (or failed) meanwhile
                 continue
             params = seq.request.params
             final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
             if final_only and not seq.is_finished and not params.stop:
                 continue  # nothing to detokenize or report before it finishes
-            self._detokenize(seq)  # (may finish it: a stop string)
+            try:
+                self._detokenize(seq)  # (may finish it: a stop string)
+            except Exception as exc:  # noqa: BLE001 (this request alone fails)
+                touched.pop(seq.request.request_id, None)
+                reports.append(self._fail_request(seq.request.request_id, exc))
+                continue
             if not final_only or all(s.is_finished for s in current):
                 touched[seq.request.request_id] = current
-        return [self._request_output(rid, request_seqs) for rid, request_seqs in touched.items()]
+        for rid, request_seqs in touched.items():
+            try:
+                reports.append(self._request_output(rid, request_seqs))
+            except Exception as exc:  # noqa: BLE001
+                reports.append(self._fail_request(rid, exc))
+        return [r for r in reports if r is not None]
 
     def _detokenize(self, seq: Sequence) -> None:
         """Feed new tokens to the detokenizer; a completed stop string ends the sequence there."""
@@ -361,6 +427,13 @@ def _request_metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:
         first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
         finished_time=time.monotonic() if finished else None,
     )
+
+
+def raise_if_device_fault(exc: BaseException) -> None:
+    """Re-raise CUDA errors: they leave the device unusable for every request (sticky), so there is
+    no single request to blame and the engine must stop. Anything else may be one request's fault."""
+    if isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc):
+        raise exc
 
 
 def context_length_message(max_len: int, prompt_len: int, max_tokens: int | None) -> str:

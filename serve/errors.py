@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers has this shape (OpenAI's)."""
+
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):

@@ -57,6 +57,10 @@ class Metrics:
     def observe(self, outputs: Iterable[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
+            if out.error is not None:
+                self.record_failure(500)
+                self._forget(out.request_id)
+                continue
             self._observe_tokens(out, now)
             if out.finished:
                 self._observe_finished(out)
@@ -95,8 +99,11 @@ class Metrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
             if m.first_scheduled_time is not None:
                 self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        self._started.discard(out.request_id)
-        for key in [k for k in self._last_token_time if k[0] == out.request_id]:
+        self._forget(out.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._started.discard(request_id)
+        for key in [k for k in self._last_token_time if k[0] == request_id]:
             del self._last_token_time[key]
 
 

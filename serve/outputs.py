@@ -57,6 +57,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first entry None (nothing before it)
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # the request failed in the engine (the others go on); finished is true
 
 
 @dataclass

@@ -4,22 +4,43 @@ Requests accept vLLM's non-OpenAI extras (``top_k``, ``min_p``, ``repetition_pen
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``add_generation_prompt``, ``chat_template_kwargs``...) because
 benchmark and evaluation clients send them. Unknown fields are ignored, as vLLM does.
-Conversion to :class:`SamplingParams` happens here, at the edge.
+Conversion to :class:`SamplingParams` happens here, at the edge. Every number is bounded by what
+the engine can hold (``autodeploy.sampling_params``: the one place these limits live), floats must
+be finite, and token ids are strict integers (``true`` or ``5.0`` is not a token id).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from autodeploy.sampling_params import MAX_LOGPROBS, SamplingParams
+from autodeploy.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_SEED,
+                                        MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams)
+
+from .limits import STOP_STRING_CHARS_CEILING, STOP_STRINGS_CEILING
+
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
+StopString = Annotated[str, Field(max_length=STOP_STRING_CHARS_CEILING)]
+
+
+def _count_stops_first(value: Any) -> Any:
+    """A list longer than any server takes is refused before its items are validated one by one."""
+    if isinstance(value, list) and len(value) > STOP_STRINGS_CEILING:
+        raise ValueError(f"at most {STOP_STRINGS_CEILING} stop strings are allowed, got {len(value)}")
+    return value
+
+
+StopStrings = Annotated[StopString | Annotated[list[StopString], Field(max_length=STOP_STRINGS_CEILING)] | None,
+                        BeforeValidator(_count_stops_first)]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -31,11 +52,11 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopStrings = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -43,12 +64,12 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -86,11 +107,11 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -135,14 +156,15 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # a client's own template: refused unless the server trusts them
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -164,12 +186,15 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -281,3 +306,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(BaseModel):
+    version: str

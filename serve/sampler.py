@@ -91,7 +91,8 @@ class Sampler:
         temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, self.device)
         logits = logits / temps[:, None]
         if any(p.uses_top_k_top_p for p in params):
-            top_k = to_device([p.top_k or self.vocab_size for p in params], torch.int64, self.device)
+            top_k = to_device([min(p.top_k, self.vocab_size) or self.vocab_size for p in params], torch.int64,
+                              self.device)
             top_p = to_device([p.top_p for p in params], torch.float32, self.device)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)

@@ -42,6 +42,7 @@ class Request:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     max_total_tokens: int = 0  # prompt + generated tokens may not exceed this
+    stop_token_ids: frozenset[int] = frozenset()  # params.stop_token_ids as a set: one lookup per token
 
 
 @dataclass(eq=False)

@@ -1,15 +1,17 @@
-"""The OpenAI-compatible HTTP server (FastAPI): routes, error shapes, API-key check.
+"""The OpenAI-compatible HTTP server (FastAPI): routes, error shapes, guards.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize``, ``/tokenizer_info``, ``/health``, ``/version``, ``/metrics``. Every client
-mistake is a 400 in the OpenAI error shape (pydantic validation included, never FastAPI's 422),
-an unknown model a 404, a missing or wrong API key on ``/v1`` routes a 401, a server still
-loading a 503. The server makes no outbound connections.
+``/detokenize``, ``/tokenizer_info``, ``/health``, ``/version``, ``/metrics``, ``/openapi.json``.
+Every client mistake is a 400 in the OpenAI error shape (pydantic validation included, never
+FastAPI's 422), an unknown model a 404, a wrong method a 405 with ``Allow``, a body over the limit
+a 413; with an API key set every route but ``/health`` needs it (401); a server still loading, whose
+engine stopped, or shutting down answers 503. A request that fails in the engine gets a 500 alone.
+Tokenization and template rendering run on worker threads (``preprocess``), never on the event
+loop. The server makes no outbound connections.
 """
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 
@@ -20,13 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import autodeploy
 
+from .async_engine import RequestFailedError
 from .errors import OpenAIError, bad_request, error_body, validation_message
+from .guards import RequestGuard
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .openapi import GENERATION_ERRORS, READ_ERRORS, error_responses, install_openapi, streaming_response
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       DetokenizeRequest, DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeRequest,
+                       TokenizeResponse, VersionResponse)
 from .serving_chat import create_chat_completion
-from .serving_common import ServerState
+from .serving_common import ServerState, error_status
 from .serving_completion import create_completion
-from .tokenizer import render_chat
 
 log = logging.getLogger("autodeploy.serve.server")
 
@@ -37,10 +43,12 @@ def build_app(state: ServerState) -> FastAPI:
                   **_no_telemetry())
     app.state.server = state
     _add_error_handlers(app, state)
-    _add_api_key_check(app, state)
+    app.add_middleware(RequestGuard, keys=state.keys, max_body_bytes=state.limits.max_request_body_bytes,
+                       metrics_without_key=state.metrics_without_key)
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
     _add_tokenizer_routes(app, state)
+    install_openapi(app, state.limits)
     return app
 
 
@@ -67,13 +75,18 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)  # (405's Allow)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
-        log.exception("unhandled error in %s", request.url.path)
-        _count_failure(request, state, 500)
-        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)
+        status, message = error_status(exc), str(exc)
+        if status == 500 and not isinstance(exc, RequestFailedError):  # (the engine's failures are logged there)
+            log.exception("unhandled error in %s", request.url.path)
+            message = f"internal server error: {type(exc).__name__}"
+        if not isinstance(exc, RequestFailedError):  # (those the metrics counted when the engine reported them)
+            _count_failure(request, state, status)
+        return JSONResponse(error_body(status, message), status_code=status)
 
 
 def _count_failure(request: Request, state: ServerState, status: int) -> None:
@@ -81,77 +94,59 @@ def _count_failure(request: Request, state: ServerState, status: int) -> None:
         state.metrics.record_failure(status)
 
 
-def _add_api_key_check(app: FastAPI, state: ServerState) -> None:
-    app.add_middleware(_APIKeyCheck, state=state)
-
-
-class _APIKeyCheck:
-    """401 on ``/v1`` routes without ``Authorization: Bearer <key>`` when a key is set.
-
-    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects
-    from the handlers (``Request.is_disconnected``), and those abort requests.
-    """
-
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send):
-        key = self.state.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
-                await JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, responses=error_responses((503,)))
     async def health():
         state.require_engine()
-        return Response(status_code=200)
+        return HealthResponse()
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse, responses=error_responses((401,)))
     async def version():
-        return {"version": autodeploy.__version__}
+        return VersionResponse(version=autodeploy.__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}},
+                                                             **error_responses((401,))})
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses((401,)))
     async def models():
         card = ModelCard(id=state.served_model_name, root=state.served_model_name,
                          max_model_len=state.max_model_len or None)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[card])
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**streaming_response(CompletionResponse),
+                                            **error_responses(GENERATION_ERRORS)})
     async def completions(body: CompletionRequest, raw_request: Request):
         return await create_completion(body, raw_request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**streaming_response(ChatCompletionResponse),
+                                                 **error_responses(GENERATION_ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(body, raw_request, state)
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(GENERATION_ERRORS))
     async def tokenize(body: TokenizeRequest):
-        state.require_engine()
+        _require_tokenizer(state)
         state.check_model(body.model)
-        tokens = _tokenize(state, body)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        tokens = await _tokenize(state, body)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(GENERATION_ERRORS))
     async def detokenize(body: DetokenizeRequest):
         tokenizer = _require_tokenizer(state)
         state.check_model(body.model)
-        return {"prompt": tokenizer.decode(body.tokens)}
+        vocab_size = len(tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of the tokenizer's vocabulary (size {vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=await state.preprocess.decode(body.tokens))
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", responses=error_responses(READ_ERRORS))
     async def tokenizer_info():
         return _tokenizer_info(_require_tokenizer(state), state.max_model_len)
 
@@ -163,17 +158,18 @@ def _require_tokenizer(state: ServerState):
     return state.tokenizer
 
 
-def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
-    tokenizer = _require_tokenizer(state)
+async def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages")
     if body.prompt is not None:
-        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return await state.preprocess.encode(body.prompt, body.add_special_tokens)
     try:
-        return render_chat(tokenizer, [m.for_template() for m in body.messages],
-                           add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
+        messages = [m.for_template() for m in body.messages]
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
+    return await state.preprocess.chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message, tools=body.tools,
+                                       chat_template=body.chat_template, template_kwargs=body.chat_template_kwargs)
 
 
 def _tokenizer_info(tokenizer, max_model_len: int) -> dict:

@@ -18,22 +18,24 @@ from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, C
                        ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
                        new_id)
 from .serving_common import SSE_DONE, ServerState, admit, collect, sse, sse_error
-from .tokenizer import render_chat, token_strings
+from .tokenizer import token_strings
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
     engine = state.require_engine()
     state.check_model(body.model)
+    state.limits.check_stop(body.stop)
+    state.limits.check_sequences(1, body.n)
     try:
         messages = [m.for_template() for m in body.messages]
-        prompt_ids = render_chat(
-            state.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, tools=body.tools,
-            template_kwargs=body.chat_template_kwargs,
-        )
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
+    prompt_ids = await state.preprocess.chat(
+        messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        tools=body.tools, chat_template=body.chat_template, template_kwargs=body.chat_template_kwargs,
+    )
     params = admit(state, engine, prompt_ids, body.to_sampling_params, body.requested_max_tokens(), "messages")
+    await state.preprocess.prepare_stop_strings(params.stop)
     request_id = new_id("chatcmpl")
     stream = engine.generate(request_id, prompt_ids, params)
     view = _ChatView(body, state, request_id)

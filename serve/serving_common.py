@@ -14,36 +14,53 @@ from pydantic import BaseModel
 
 from autodeploy.sampling_params import SamplingParams
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineDeadError, ServerShuttingDownError
 from .engine import context_length_message
 from .errors import OpenAIError, bad_request, error_body
+from .guards import APIKeys
+from .limits import RequestLimits
 from .metrics import Metrics
 from .outputs import OutputAccumulator, RequestOutput
+from .preprocess import Preprocessor
 
 DISCONNECT_POLL_SECONDS = 0.5
 
 
 @dataclass
 class ServerState:
-    """What the handlers share. ``engine`` stays None while the model loads (503 until then)."""
+    """What the handlers share. ``engine`` stays None while the model loads (503 until then).
+
+    ``api_key`` (one or several) and ``api_key_file`` set the accepted keys (``guards.APIKeys``);
+    ``limits`` are the operator's request limits; ``draining`` is set on SIGTERM (503 from then on).
+    """
 
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | Sequence[str] | None = None
+    api_key_file: str | None = None
+    metrics_without_key: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     max_model_len: int = 0
+    draining: bool = False
     metrics: Metrics = field(init=False)
+    keys: APIKeys = field(init=False)
+    preprocess: Preprocessor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None)
+        self.keys = APIKeys(self.api_key, self.api_key_file)
 
     def attach(self, engine: AsyncEngine, tokenizer: Any, max_model_len: int) -> None:
         """The model is loaded: start serving it."""
         engine.on_outputs = self.metrics.observe
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.preprocess = Preprocessor(tokenizer, self.limits, max_model_len)
         self.engine = engine
 
     def require_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down")
         if self.engine is None:
             raise OpenAIError(503, "the model is still loading; retry shortly")
         if not self.engine.is_running:
@@ -54,17 +71,11 @@ class ServerState:
         if name and name != self.served_model_name:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
 
-    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise bad_request("this server has no tokenizer: send token ids as the prompt", "prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-
 
 def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_params, requested: int | None,
           prompt_param: str) -> SamplingParams:
-    """Sampling params of one prompt, checked against the context; every problem is a 400."""
+    """Sampling params of one prompt, checked against the limits and the context; every problem is a 400."""
+    state.limits.check_prompt_tokens(len(prompt_ids), state.max_model_len, prompt_param)
     if len(prompt_ids) >= state.max_model_len:
         raise bad_request(context_length_message(state.max_model_len, len(prompt_ids), requested), prompt_param)
     max_tokens = requested if requested is not None else state.max_model_len - len(prompt_ids)
@@ -89,8 +100,16 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_error(exc: BaseException) -> str:
-    status = exc.status if isinstance(exc, OpenAIError) else (400 if isinstance(exc, ValueError) else 500)
-    return sse(error_body(status, str(exc)))
+    """The error event of a stream whose status line (200) is already sent."""
+    return sse(error_body(error_status(exc), str(exc)))
+
+
+def error_status(exc: BaseException) -> int:
+    if isinstance(exc, OpenAIError):
+        return exc.status
+    if isinstance(exc, (EngineDeadError, ServerShuttingDownError)):
+        return 503
+    return 400 if isinstance(exc, ValueError) else 500
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -7,6 +7,7 @@ and with ``echo`` and ``logprobs`` the prompt tokens' log-probabilities too, the
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -27,8 +28,11 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
         prompts = body.prompts()
     except ValueError as exc:
         raise bad_request(str(exc), "prompt") from None
-    token_lists = [state.encode(p, body.add_special_tokens) for p in prompts]
+    state.limits.check_stop(body.stop)
+    state.limits.check_sequences(len(prompts), body.n)
+    token_lists = await asyncio.gather(*(state.preprocess.encode(p, body.add_special_tokens) for p in prompts))
     params = [admit(state, engine, ids, body.to_sampling_params, body.max_tokens, "prompt") for ids in token_lists]
+    await state.preprocess.prepare_stop_strings(params[0].stop)
     request_id = new_id("cmpl")
     streams = [engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
     view = _CompletionView(body, state, request_id, prompts)

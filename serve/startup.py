@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .limits import RequestLimits
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -32,7 +34,23 @@ class ServeSettings(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model directory)")
     chat_template: str | None = Field(None, description="chat template file or inline Jinja, replacing the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: list[str] | None = Field(None, description="require 'Authorization: Bearer KEY' on every route but "
+                                      "/health (repeat the flag for several keys)")
+    api_key_file: str | None = Field(None, description="file of accepted API keys, one per line (# comments); "
+                                     "re-read when it changes, so keys rotate without a restart")
+    metrics_without_key: bool = Field(False, description="serve /metrics without the API key")
+    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT, seconds to let requests in flight "
+                                 "finish before they are ended with an error")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="request limits (each one a flag)")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _one_or_more_keys(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self.api_key) or self.api_key_file is not None
 
 
 @dataclass(frozen=True)
@@ -106,7 +124,7 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
         f"CUDA graphs  {cuda_graph_line(graphs)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
-        f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.api_key else ""),
+        f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ template, compiled once per session (compiling is the slow part on the CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -71,18 +72,21 @@ def tokenizer(tiny_dir):
 
 
 class LiveServer:
-    """A uvicorn server on a free loopback port, in a thread."""
+    """A uvicorn server on a free loopback port, in a thread; with ``state``, the server ``autodeploy
+    serve`` runs (it drains on ``server.handle_exit``)."""
 
-    def __init__(self, app):
+    def __init__(self, app, state=None, drain_timeout: float = 2.0):
         import threading
 
         import uvicorn
 
+        from autodeploy.serve.shutdown import DrainingServer
         from autodeploy.serve.startup import bind_socket
 
         self.sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config) if state is None else DrainingServer(config, state, drain_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         import time
@@ -98,16 +102,36 @@ class LiveServer:
         self.thread.join(10)
 
 
-def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, **engine_options):
-    """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down)."""
+def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, **options):
+    """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
+    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
+    from autodeploy.serve.limits import RequestLimits
     from autodeploy.serve.serving_common import ServerState
 
-    state = ServerState(served_model_name, api_key)
+    state_options = {k: options.pop(k) for k in ("api_key_file", "metrics_without_key") if k in options}
+    engine_options = options
+    state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
     engine = AsyncEngine(Engine(compiled, tokenizer, EngineConfig(**engine_options)))
     state.attach(engine, tokenizer, compiled.max_seq_len)
     return state
+
+
+@contextlib.contextmanager
+def serving(compiled, tokenizer, drain_timeout: float = 2.0, **options):
+    """A live server over a fresh engine with these ServerState/engine options; closed afterwards."""
+    from autodeploy.serve.server import build_app
+
+    state = make_state(compiled, tokenizer, **options)
+    server = LiveServer(build_app(state), state, drain_timeout)
+    server.state = state
+    try:
+        yield server
+    finally:
+        server.close()
+        state.engine.shutdown()
+        state.preprocess.close()
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +145,15 @@ def live(compiled, tokenizer):
     yield server
     server.close()
     state.engine.shutdown()
+    state.preprocess.close()
+
+
+def wait_for_url(proc) -> str:
+    """The URL an ``autodeploy serve`` subprocess says it listens on (read from its stderr)."""
+    import re
+
+    for line in proc.stderr:
+        match = re.search(r"listening on (http://\S+)", line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no 'listening on' line; exit code {proc.wait()}")

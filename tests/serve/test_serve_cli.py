@@ -1,7 +1,6 @@
 """``autodeploy serve``: settings precedence, aliases, and one real start-up in a subprocess."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from autodeploy.cli import main
+from conftest import wait_for_url
 
 
 def print_config(capsys, *argv) -> dict:
@@ -33,7 +33,7 @@ def test_precedence_defaults_env_yaml_flags_set(capsys, monkeypatch, tmp_path):
     path.write_text(yaml.safe_dump({"max_batch_size": 8, "port": 9000, "max_num_tokens": 100, "api_key": "from-yaml",
                                     "enable_prefix_caching": False}))
     config = print_config(capsys, "--config", str(path))
-    assert (config["max_batch_size"], config["port"], config["api_key"]) == (8, 9000, "***")
+    assert (config["max_batch_size"], config["port"], config["api_key"]) == (8, 9000, ["***"])
     config = print_config(capsys, "--config", str(path), "--max_batch_size", "16", "--port", "9001",
                           "--set", "max_batch_size=32", "--enable-prefix-caching")
     assert (config["max_batch_size"], config["port"], config["max_num_tokens"]) == (32, 9001, 100)
@@ -65,7 +65,7 @@ def test_serve_starts_reports_and_answers(tiny_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = _wait_for_url(proc)
+        url = wait_for_url(proc)
         statuses = set()
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
@@ -94,11 +94,3 @@ def test_report_names_the_captured_cuda_graphs():
     runner = SimpleNamespace(batch_sizes=[1, 2, 4, 64], capture_seconds=4.71)
     assert cuda_graph_line(runner) == "decode batch sizes 1, 2, 4, 64 (captured in 4.7 s)"
     assert cuda_graph_line(None).startswith("none")
-
-
-def _wait_for_url(proc) -> str:
-    for line in proc.stderr:
-        match = re.search(r"listening on (http://\S+)", line)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"no 'listening on' line; exit code {proc.wait()}")
