@@ -60,13 +60,14 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2) -> float:
-    """Bytes one decode step must read: every linear weight (the LM head too) and the bf16 KV cache."""
+def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, head_bytes: float = 2) -> float:
+    """Bytes one decode step must read: every linear weight (the LM head at ``head_bytes`` a weight) and the
+    bf16 KV cache."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v, o, gate+up+down
-    weights = bytes_per_weight * (layers * per_layer + cfg.vocab_size * h)
+    weights = bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h
     kv_cache = 2 * layers * batch * context * 2 * kv
     return weights + kv_cache
 
@@ -234,7 +235,7 @@ def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
     model, compile_s = compile_autodeploy(cfg, max(batches), args.context, weights.settings, tuple(args.set))
     print(model.report.pass_table(), flush=True)
     for b in batches:
-        floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight) / bandwidth
+        floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight, weights.head_bytes_per_weight) / bandwidth
         ms = bench_autodeploy(model, b, args.context, args.steps)
         yield _row(shape, b, "autodeploy bare step" + args.label, ms, floor, f"compile {compile_s:.0f} s",
                    weights.name)

@@ -49,7 +49,8 @@ def table_rows(args, header) -> Iterator[TableRow]:
         model, _ = compile_autodeploy(cfg, max(concurrencies), context, weights.settings)
         for c in concurrencies:
             workload = f"{args.serving_shape} {args.serving_len} c{c}"
-            floor = streamed_bytes(cfg, c, context, weights.bytes_per_weight) / header.bandwidth
+            floor = streamed_bytes(cfg, c, context, weights.bytes_per_weight,
+                                   weights.head_bytes_per_weight) / header.bandwidth
             yield serving_row(workload, results[c], floor, weights.name)
             ms, waited = bench_engine(model, c, context, steps=20)
             yield TableRow("serving", workload, "autodeploy engine step", ms / 1e3, c * 1e3 / ms, floor,

@@ -15,11 +15,18 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class WeightFormat:
     name: str
-    bytes_per_weight: float
+    bytes_per_weight: float  # of the decoder layers' linears, their scales included
     settings: dict = field(default_factory=dict)  # CompileConfig fields of autodeploy's rows
+    head_bytes_per_weight: float = 2  # the LM head (online quantization leaves it bf16)
 
 
-WEIGHT_FORMATS = {"bf16": WeightFormat("bf16", 2, {"dtype": "bfloat16"})}
+WEIGHT_FORMATS = {
+    "bf16": WeightFormat("bf16", 2, {"dtype": "bfloat16"}),
+    # online quantization of the random bf16 weights while they load (per-channel FP8, dynamic per-token activations)
+    "fp8": WeightFormat("fp8", 1, {"dtype": "bfloat16", "quantization": "fp8"}),
+    # e2m1 codes (half a byte) + one e4m3 scale per 16 weights
+    "nvfp4": WeightFormat("nvfp4", 0.5 + 1 / 16, {"dtype": "bfloat16", "quantization": "nvfp4"}),
+}
 
 
 @dataclass(frozen=True)
