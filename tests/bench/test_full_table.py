@@ -62,10 +62,15 @@ def test_offline_floor_of_the_8b_shape_puts_20k_tokens_per_s_near_its_roofline()
 def test_decode_floor_streams_the_weights_at_their_formats_bytes():
     cfg = LlamaConfig(**TINY)
     layers, head = _linear_weights(cfg)
-    kv = decode_bench.streamed_bytes(cfg, 3, 10, bytes_per_weight=0)
+    kv = decode_bench.streamed_bytes(cfg, 3, 10, bytes_per_weight=0, head_bytes=0)
     assert kv == 3 * 10 * cfg.num_hidden_layers * 2 * 32 * 2  # K and V of 2 heads x 16, bf16
     assert decode_bench.streamed_bytes(cfg, 3, 10) == kv + 2 * (layers + head)
-    assert decode_bench.streamed_bytes(cfg, 3, 10, bytes_per_weight=1) == kv + layers + head
+    assert decode_bench.streamed_bytes(cfg, 3, 10, bytes_per_weight=1, head_bytes=1) == kv + layers + head
+    # online FP8 leaves the LM head bf16; NVFP4 adds one e4m3 scale per 16 weights
+    fp8, nvfp4 = table.WEIGHT_FORMATS["fp8"], table.WEIGHT_FORMATS["nvfp4"]
+    assert decode_bench.streamed_bytes(cfg, 3, 10, fp8.bytes_per_weight, fp8.head_bytes_per_weight) == (
+        kv + layers + 2 * head)
+    assert nvfp4.bytes_per_weight == 0.5625 and nvfp4.settings["quantization"] == "nvfp4"
 
 
 @pytest.mark.parametrize("impl", hf_peers.IMPLS)
