@@ -70,4 +70,7 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("gemma3_text", "HF SDPA attention code, sliding + full layer", windows=(8, None),
              attn_implementation="sdpa"),
     ZooModel("bloom", "ALiBi position bias", xfail=ALIBI),
+    ZooModel("hunyuan_v1_dense", "q/k norms after the rotary embedding, head_dim left to the checkpoint"),
+    ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
+             moe_layers=1),
 )
