@@ -8,6 +8,7 @@ _BUILTIN = {
     "canonicalize_norms": "autodeploy.passes.canonicalize:CanonicalizeNorms",
     "canonicalize_mlp": "autodeploy.passes.canonicalize:CanonicalizeMLP",
     "canonicalize_moe": "autodeploy.passes.canonicalize:CanonicalizeMoE",
+    "check_uncached_state": "autodeploy.passes.check_uncached_state:CheckUncachedState",
     "gather_logits": "autodeploy.passes.gather_logits:GatherLogits",
     "fuse_qkv": "autodeploy.passes.fuse:FuseQKV",
     "fuse_gate_up": "autodeploy.passes.fuse:FuseGateUp",
