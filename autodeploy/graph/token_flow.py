@@ -154,7 +154,7 @@ def _op_mixing(node: fx.Node, ins: list, in_dims: list[list[int]], symbols: set)
     if target in _FACTORIES:
         return "uses the number of tokens in the step as a value" if _symbolic_fill(node, symbols) else None
     if target in _LAYOUT:
-        return None
+        return _layout_mixing(node, in_dims, symbols)
     if target in _RESHAPES:
         return _reshape_mixing(ins[0], node.meta["val"], symbols)
     if target in _ALONG_DIMS:
@@ -171,6 +171,21 @@ def _op_mixing(node: fx.Node, ins: list, in_dims: list[list[int]], symbols: set)
     if target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
         return "uses a token's row in the step as a value (arange over the tokens)"
     return f"is an op whose effect on tokens is not known ({_name(target)})"
+
+
+_INDEX_ARGS = {aten.select.int: ("index",), aten.slice.Tensor: ("start", "end"), aten.narrow.default: ("start",)}
+
+
+def _layout_mixing(node: fx.Node, in_dims: list[list[int]], symbols: set) -> str | None:
+    """Selecting along another dimension at a place that moves with the token count reads by T."""
+    names = _INDEX_ARGS.get(node.target)
+    if not names:
+        return None
+    args = dict(schema_values(node))
+    if args["dim"] % max(node.args[0].meta["val"].dim(), 1) in in_dims[0]:
+        return None  # along the token dimension the output shape tells
+    values = [args[name].meta.get("val") if isinstance(args[name], fx.Node) else args[name] for name in names]
+    return "uses the number of tokens in the step as a value" if any(_free_symbols(v) & symbols for v in values) else None
 
 
 def _symbolic_fill(node: fx.Node, symbols: set) -> bool:

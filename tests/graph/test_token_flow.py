@@ -48,6 +48,8 @@ MIXING = {
     "flipped tokens": (lambda m, x, p: x.flip(0), "works along the token dimension"),
     "row index as a value": (lambda m, x, p: x * torch.arange(x.shape[0])[:, None], "row in the step"),
     "token count as a value": (lambda m, x, p: x / x.shape[0], "number of tokens in the step"),
+    "token count as an index": (lambda m, x, p: x * torch.cat([x, x], dim=1)[:, x.shape[0]:][:, :HIDDEN],
+                                "number of tokens in the step"),
     "uncanonicalized attention": (lambda m, x, p: torch.softmax(x @ x.T, dim=-1) @ x, "pairs of tokens"),
     "chunked scan": (_chunked, "pads or splits the token dimension"),
     "rows sorted by value": (lambda m, x, p: x[x[:, 0].argsort()], "works along the token dimension"),
