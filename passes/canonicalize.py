@@ -7,6 +7,7 @@ came from, the nodes and why a rule rejected them, and (from the runner) where t
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import ClassVar
 
 import torch
@@ -50,11 +51,10 @@ class RuleSetPass(Pass):
         total = sum(ctx.artifacts["rule_matches"][r] for r in self.config.rules)
         return PassResult(total, " ".join(counts))
 
-
     def unsupported(self, left: list[fx.Node], reasons: list[str]) -> UnsupportedLayerError:
-        rejected = f"; rejected matches: {'; '.join(reasons[:5])}" if reasons else ""
-        names = ", ".join(f"{n.name} ({n.target})" for n in left[:5])
-        why = f"no rule of {self.name} rewrites it ({len(left)} node(s) not canonicalized: {names}{rejected})"
+        rejected = f"; rejected matches: {'; '.join(reasons[:3])}" if reasons else ""
+        ops = ", ".join(f"{count} {target}" for target, count in Counter(str(n.target) for n in left).items())
+        why = f"no rule of {self.name} rewrites it ({len(left)} node(s) not canonicalized: {ops}{rejected})"
         return UnsupportedLayerError(self.layer_kind, layers_of(left), why)
 
 

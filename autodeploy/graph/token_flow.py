@@ -202,7 +202,7 @@ def _reshape_mixing(src: torch.Tensor, out: torch.Tensor, symbols: set) -> str |
     if not before and not after:
         return None
     if (len(before) != 1 or len(after) != 1
-            or sympy.simplify(_numel(src.shape[: before[0]]) - _numel(out.shape[: after[0]])) != 0):
+            or sympy.expand(_numel(src.shape[: before[0]]) - _numel(out.shape[: after[0]])) != 0):
         return f"reshapes {_shape(src, symbols)} to {_shape(out, symbols)} across the token dimension"
     return None
 
@@ -212,6 +212,8 @@ def _contraction_mixing(node: fx.Node, ins: list, symbols: set) -> str | None:
     target = node.target
     if target == aten.einsum.default:
         equation = node.args[0].replace(" ", "")
+        if "->" not in equation or "." in equation:
+            return "is an einsum this check does not read (implicit output or '...')"
         inputs, output = equation.split("->")
         for letters, t in zip(inputs.split(","), ins):
             for letter, dim in zip(letters, range(t.dim())):
