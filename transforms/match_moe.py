@@ -6,8 +6,8 @@ transformers' ``batched_mm_experts_forward``, and so does any model built with
 ``experts_implementation="batched_mm"``. That code (stacked ``gate_up_proj[E, 2I, H]`` and
 ``down_proj[E, H, I]``, gate rows first, no bias) is the pattern: each token is repeated K times,
 each copy multiplied with the weights of its expert gathered by id, gated, projected down, weighted
-by its routing weight, and the K copies summed. transformers up to 5.2x clamps the expert ids into
-range first; later releases clamp only under expert parallelism: both spellings are patterns.
+by its routing weight, and the K copies summed. transformers 5.17 clamps the expert ids into range
+first; 5.25 clamps them only under expert parallelism: both spellings are patterns.
 Routing (router linear, softmax/top-k, renormalisation) stays in the graph as ordinary ops: its
 outputs are the ``topk_ids`` / ``topk_weights`` operands of the canonical op.
 """
