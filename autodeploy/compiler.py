@@ -20,6 +20,7 @@ from .compiled import CompiledModel, CompileReport, canonical_op_counts
 from .config import CompileConfig, validate
 from .errors import ConfigError
 from .export import export_model
+from .hf_experts import experts_module_paths
 from .model_loading import Checkpoint, build_meta_model, open_checkpoint, resolve_dtype, resolve_model_path
 from .pipeline import CompileContext, load_pipeline, run_pipeline
 
@@ -69,6 +70,7 @@ def compile_config(
         gm = export_model(model)
         timings["export"] = time.perf_counter() - start
         gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
+        gm.meta["autodeploy_experts_modules"] = experts_module_paths(model)  # canonicalize_moe checks each
         del model
 
         ctx = CompileContext(

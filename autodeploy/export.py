@@ -82,9 +82,52 @@ def export_model(model: torch.nn.Module) -> fx.GraphModule:
         raise ExportError(
             f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}".strip()
         ) from exc
+    _refuse_state_writes(program, model)
     gm = graph_module_from_program(program)
     log.info("exported %s in %.1f s (%d nodes)", type(model).__name__, time.perf_counter() - start, len(gm.graph.nodes))
     return gm
+
+
+def _refuse_state_writes(program: ExportedProgram, model: torch.nn.Module) -> None:
+    """A parameter or buffer the forward writes is state kept from one call to the next (a cache, a
+    recurrent state): each engine step would start from what the previous step left, not from its own
+    sequence's. Export keeps such writes as in-place ops on the lifted input (or lists them)."""
+    specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    written = set(program.graph_signature.buffers_to_mutate.values())
+    for node in program.graph_module.graph.nodes:
+        for arg in _written_arguments(node):
+            spec = specs.get(_alias_base(arg).name)
+            if spec is not None and spec.kind in (InputKind.BUFFER, InputKind.PARAMETER):
+                written.add(spec.target)
+    if written:
+        names = ", ".join(sorted(_strip_prefix(name) for name in written))
+        raise ExportError(
+            f"{type(model).__name__} writes to {names} during its forward: state carried from one call to the "
+            "next, which autodeploy does not cache per sequence (only attention's keys and values); "
+            "this architecture is not supported"
+        )
+
+
+def _written_arguments(node: fx.Node) -> list[fx.Node]:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    written = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            written.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
+    return written
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is a view (or in-place result) of: follow ops that return an alias of their input."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
 
 
 def _fakeify(model: torch.nn.Module, mode: FakeTensorMode) -> None:

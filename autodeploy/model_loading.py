@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from . import hf_experts
 from .errors import ModelLoadError
 
 log = logging.getLogger("autodeploy.loading")
@@ -121,13 +122,15 @@ def build_meta_model(
     """The HF causal LM on the meta device, plus real CPU values of its non-persistent buffers."""
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
     if _has_experts_interface(config):
-        kwargs["experts_implementation"] = "batched_mm"  # the export-friendly (static-shape) MoE code path
+        hf_experts.register()
+        kwargs["experts_implementation"] = hf_experts.IMPLEMENTATION  # MoE experts export as autodeploy::moe
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     except ValueError as exc:
         raise ModelLoadError(f"transformers cannot build {config.model_type} as a causal LM: {exc}") from exc
     model.eval().requires_grad_(False)
+    hf_experts.plan_experts(model)
     return model, _materialize_non_persistent_buffers(model)
 
 

@@ -72,6 +72,12 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "olmo3": {"sliding_window": 8, **_SLIDING_THEN_FULL},
     "ministral": {"head_dim": 16, "sliding_window": 8, **_SLIDING_THEN_FULL},
     "bloom": {},  # ALiBi: not supported yet (see model_zoo_tests/README.md)
+    "hunyuan_v1_dense": {},  # its config leaves head_dim None (tiny_config fills it in)
+    "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1],
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16},  # dense; its Gated DeltaNet layer is refused (zoo README)
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+              "first_k_dense_replace": 1},  # its config leaves the MoE sizes None; layer 0 dense, layer 1 MoE
 }
 
 
@@ -79,7 +85,10 @@ def tiny_config(model_type: str, **overrides: Any):
     from transformers import AutoConfig
 
     fields = {**BASE, **TINY_OVERRIDES.get(model_type, {}), **overrides}
-    return AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields)
+    if getattr(config, "head_dim", 0) is None:  # configs that leave it to the checkpoint (hunyuan_v1_dense)
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
 
 
 def make_tiny_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

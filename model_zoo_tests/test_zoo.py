@@ -16,6 +16,7 @@ import torch
 
 from autodeploy.check import run_check
 from autodeploy.compiler import compile as compile_model
+from autodeploy.errors import PassError
 from autodeploy.tiny import TINY_OVERRIDES, make_tiny_checkpoint
 
 from .zoo import ZOO, ZooModel
@@ -27,7 +28,7 @@ MAX_SEQ_LEN = max(PROMPT_LENS) + STEPS + 1
 
 
 def _param(model: ZooModel):
-    marks = [pytest.mark.zoo]
+    marks = [pytest.mark.zoo] + ([pytest.mark.slow] if model.slow else [])
     if model.xfail:
         marks.append(pytest.mark.xfail(reason=model.xfail, strict=True))
     return pytest.param(model, id=model.name, marks=marks)
@@ -51,8 +52,13 @@ def attention_windows(model) -> list[int | None]:
 @pytest.mark.parametrize("zoo_model", [_param(m) for m in ZOO])
 def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     model_dir = make_tiny_checkpoint(zoo_model.model_type, tmp_path / zoo_model.model_type)
-    compiled = compile_model(model_dir, dtype="float32", device="cpu", max_seq_len=MAX_SEQ_LEN,
-                             attn_implementation=zoo_model.attn_implementation)
+    settings = {"dtype": "float32", "device": "cpu", "max_seq_len": MAX_SEQ_LEN,
+                "attn_implementation": zoo_model.attn_implementation}
+    if zoo_model.refused:
+        with pytest.raises(PassError, match=zoo_model.refused):
+            compile_model(model_dir, **settings)
+        return
+    compiled = compile_model(model_dir, **settings)
     layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
     assert counts.get("paged_attention") == layers, f"attention layers not all canonicalized: {counts}"
@@ -67,8 +73,16 @@ def test_readme_lists_every_architecture_with_its_status():
     rows = dict(re.findall(r"^\| `([\w-]+)` \| (\w+) \|", README.read_text(), flags=re.M))
     assert set(rows) == {m.name for m in ZOO}
     for model in ZOO:
-        assert rows[model.name] == ("xfail" if model.xfail else "passes"), model.name
+        assert rows[model.name] == ("xfail" if model.xfail else "refused" if model.refused else "passes"), model.name
 
 
 def test_every_zoo_architecture_has_tiny_sizes():
     assert {m.model_type for m in ZOO} <= set(TINY_OVERRIDES)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("model_type", sorted(set(TINY_OVERRIDES) - {m.model_type for m in ZOO}))
+def test_tiny_checkpoint_of_every_architecture_listed_outside_the_zoo(model_type, tmp_path):
+    """``autodeploy tiny`` works for the architectures the README lists as checked but left out."""
+    path = make_tiny_checkpoint(model_type, tmp_path)
+    assert (path / "config.json").is_file() and list(path.glob("*.safetensors"))

@@ -4,7 +4,8 @@ Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TIN
 random weights, exported with HF's eager attention code unless ``attn_implementation`` says
 otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
 causal attention); ``xfail`` holds the real reason when an architecture cannot pass yet (the README
-lists the same reasons).
+lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does not
+hold) has to stop with.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class ZooModel:
     windows: tuple[int | None, ...] = FULL
     moe_layers: int = 0
     xfail: str | None = None
+    refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
+    slow: bool = False  # export alone takes ~20 s on the CI machine
     attn_implementation: str = "eager"  # the HF attention code that is exported
 
     @property
@@ -70,4 +73,11 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("gemma3_text", "HF SDPA attention code, sliding + full layer", windows=(8, None),
              attn_implementation="sdpa"),
     ZooModel("bloom", "ALiBi position bias", xfail=ALIBI),
+    ZooModel("hunyuan_v1_dense", "q/k norms after the rotary embedding, head_dim left to the checkpoint"),
+    ZooModel("qwen3_next", "Gated DeltaNet (linear attention) + full attention layer, dense MLPs",
+             refused=r"check_uncached_state' failed: the layer with state the KV cache does not hold in "
+                     r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
+             slow=True),  # its chunked delta rule unrolls 64 steps into the export
+    ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
+             moe_layers=1),
 )

@@ -8,6 +8,7 @@ _BUILTIN = {
     "canonicalize_norms": "autodeploy.passes.canonicalize:CanonicalizeNorms",
     "canonicalize_mlp": "autodeploy.passes.canonicalize:CanonicalizeMLP",
     "canonicalize_moe": "autodeploy.passes.canonicalize:CanonicalizeMoE",
+    "check_uncached_state": "autodeploy.passes.check_uncached_state:CheckUncachedState",
     "gather_logits": "autodeploy.passes.gather_logits:GatherLogits",
     "quantize": "autodeploy.passes.quantize:Quantize",
     "shard": "autodeploy.passes.shard:Shard",

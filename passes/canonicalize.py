@@ -1,16 +1,20 @@
 """Canonicalization passes: apply ``match_*`` rule sets, then check nothing they own is left.
 
 Zero matches is a decision, not a default: a pass whose source ops remain after its rules ran
-fails with the nodes that were not rewritten (and why, when a rule rejected them).
+fails with an :class:`UnsupportedLayerError`: the kind of layer, the HF modules its leftover nodes
+came from, the nodes and why a rule rejected them, and (from the runner) where the graph dump is.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import ClassVar
 
 import torch
 from torch import fx
 
+from autodeploy.errors import UnsupportedLayerError
+from autodeploy.graph.modules import layers_of, module_stack
 from autodeploy.graph.rewrite import apply_rule
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 from autodeploy.transforms import RULES
@@ -24,10 +28,12 @@ class RuleSetConfig(PassConfig):
 
 
 class RuleSetPass(Pass):
-    """Applies its configured rules in order; ``leftovers`` names what must be gone afterwards."""
+    """Applies its configured rules in order; ``leftovers`` names what must be gone afterwards, and
+    ``layer_kind`` what a leftover is part of, in words."""
 
     stage = Stage.CANONICALIZE
     Config = RuleSetConfig
+    layer_kind: ClassVar[str] = "layer"
 
     def leftovers(self, gm: fx.GraphModule) -> list[fx.Node]:
         return []
@@ -41,11 +47,15 @@ class RuleSetPass(Pass):
             ctx.artifacts.setdefault("rule_matches", {})[rule_name] = result.matches
         left = self.leftovers(ctx.gm)
         if left and self.config.require_complete:
-            why = f"; rejected matches: {'; '.join(reasons[:5])}" if reasons else ""
-            names = ", ".join(f"{n.name} ({n.target})" for n in left[:5])
-            raise RuntimeError(f"{len(left)} node(s) were not canonicalized: {names}{why}")
+            raise self.unsupported(left, reasons)
         total = sum(ctx.artifacts["rule_matches"][r] for r in self.config.rules)
         return PassResult(total, " ".join(counts))
+
+    def unsupported(self, left: list[fx.Node], reasons: list[str]) -> UnsupportedLayerError:
+        rejected = f"; rejected matches: {'; '.join(reasons[:3])}" if reasons else ""
+        ops = ", ".join(f"{count} {target}" for target, count in Counter(str(n.target) for n in left).items())
+        why = f"no rule of {self.name} rewrites it ({len(left)} node(s) not canonicalized: {ops}{rejected})"
+        return UnsupportedLayerError(self.layer_kind, layers_of(left), why)
 
 
 def _nodes(gm: fx.GraphModule, targets: set) -> list[fx.Node]:
@@ -57,6 +67,7 @@ class CanonicalizeAttention(RuleSetPass):
 
     name = "canonicalize_attention"
     ensures = ("attention_canonical",)
+    layer_kind = "attention"
     _SOURCES: ClassVar[set] = {aten.scaled_dot_product_attention.default, torch.ops.autodeploy.repeat_kv.default}
 
     def leftovers(self, gm: fx.GraphModule) -> list[fx.Node]:
@@ -81,29 +92,50 @@ def _is_attention_softmax(node: fx.Node) -> bool:
 
 class CanonicalizeRoPE(RuleSetPass):
     name = "canonicalize_rope"
+    layer_kind = "rotary embedding"
     ensures = ("rope_canonical",)
 
 
 class CanonicalizeNorms(RuleSetPass):
     name = "canonicalize_norms"
+    layer_kind = "normalization"
     ensures = ("norms_canonical",)
 
 
 class CanonicalizeMLP(RuleSetPass):
     name = "canonicalize_mlp"
+    layer_kind = "MLP"
     ensures = ("mlp_canonical",)
 
 
 class CanonicalizeMoE(RuleSetPass):
-    """Export-friendly HF MoE experts (``batched_mm``) -> ``autodeploy::moe``."""
+    """HF MoE experts -> ``autodeploy::moe``: most arrive as the op already (``autodeploy.hf_experts``);
+    the rules rewrite transformers' ``batched_mm`` code of the others. Every experts module the
+    model ran (``gm.meta["autodeploy_experts_modules"]``) must end up as a ``moe`` op."""
 
     name = "canonicalize_moe"
     ensures = ("moe_canonical",)
+    layer_kind = "MoE experts layer"
 
     def leftovers(self, gm: fx.GraphModule) -> list[fx.Node]:
         # batched expert GEMMs index stacked expert weights with routing ids: none may remain
-        return [n for n in _nodes(gm, {aten.bmm.default}) if _reads_indexed_weight(n)]
+        indexed = [n for n in _nodes(gm, {aten.bmm.default}) if _reads_indexed_weight(n)]
+        return indexed + [n for n in experts_without_moe(gm) if n not in indexed]
 
 
 def _reads_indexed_weight(node: fx.Node) -> bool:
     return any(isinstance(a, fx.Node) and a.target == aten.index.Tensor for a in node.args)
+
+
+def experts_without_moe(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of every experts module that ran in the graph without becoming a ``moe`` op."""
+    expected = set(gm.meta.get("autodeploy_experts_modules", ()))
+    covered: set[str] = set()
+    inside: dict[str, list[fx.Node]] = {}
+    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
+        paths = expected.intersection(path for path, _ in module_stack(node))
+        if node.target == torch.ops.autodeploy.moe.default:
+            covered |= paths
+        for path in paths:
+            inside.setdefault(path, []).append(node)
+    return [node for path in sorted(set(inside) - covered) for node in inside[path]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..config import validate
-from ..errors import ConfigError, PassError
+from ..errors import ConfigError, PassError, UnsupportedLayerError
 from ..graph.dump import dump_graph
 from .base import PASSES, CompileContext, Pass, PassConfig, PassResult
 
@@ -114,6 +115,11 @@ def _apply(entry: PipelineEntry, ctx: CompileContext, index: int) -> PassResult:
         return entry.pass_cls(entry.config).apply(ctx)
     except PassError:
         raise
+    except UnsupportedLayerError as exc:
+        # the user's next step is reading the graph around the layer: dumped even when no dump dir was set
+        directory = ctx.dump_dir or Path(tempfile.mkdtemp(prefix="autodeploy-unsupported-"))
+        dump = str(dump_graph(ctx.gm, directory, index, f"{entry.name}.failed"))
+        raise PassError(entry.name, exc.sentence(dump), list(ctx.history), dump_in_message=True) from exc
     except Exception as exc:
         dump = None
         if ctx.dump_dir:

@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -79,13 +82,23 @@ def test_random_weights_from_config_alone():
         compile_config(tiny_config("llama"), CompileConfig(**CPU))
 
 
-def test_missing_canonicalization_is_an_error_naming_the_pass(tiny_llama):
+def test_missing_canonicalization_is_one_sentence_naming_layer_kind_module_and_dump(tiny_llama, monkeypatch):
+    monkeypatch.delenv("AUTODEPLOY_DUMP_DIR", raising=False)
     overrides = {"canonicalize_attention": {"rules": ["match_repeat_kv"]}}
     with pytest.raises(PassError) as info:
         autodeploy.compile(tiny_llama, passes=overrides, **CPU)
     message = str(info.value)
-    assert "pass 'canonicalize_attention' failed" in message and "not canonicalized" in message
-    assert "AUTODEPLOY_DUMP_DIR" in message
+    assert message.startswith("pass 'canonicalize_attention' failed: the attention in "
+                              "model.layers.0.self_attn (LlamaAttention) (and 1 more module) is not supported: ")
+    assert "not canonicalized" in message and message.count("\n") == 0 and message.endswith(".")
+    dump = Path(re.search(r"the graph is dumped at (\S+)\.$", message).group(1))
+    assert dump.is_file() and "softmax" in dump.read_text()
+
+
+def test_unsupported_layer_graph_is_dumped_where_asked(tiny_llama, tmp_path):
+    overrides = {"canonicalize_attention": {"rules": ["match_repeat_kv"]}}
+    with pytest.raises(PassError, match=f"dumped at {tmp_path}/01_canonicalize_attention.failed.txt"):
+        autodeploy.compile(tiny_llama, passes=overrides, dump_dir=str(tmp_path), **CPU)
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, tiny_llama):

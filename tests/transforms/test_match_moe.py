@@ -6,7 +6,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from autodeploy.errors import PassError
-from autodeploy.testing import check_rewrite, pass_runner
+from autodeploy.testing import check_rewrite, export_for_test, pass_runner
 from autodeploy.transforms.match_moe import MatchMoE
 
 MOE = torch.ops.autodeploy.moe.default
@@ -30,9 +30,9 @@ def _tokens(n: int) -> tuple[torch.Tensor]:
 
 class BatchedExperts(torch.nn.Module):
     """transformers' batched_mm experts after a softmax/top-k router, with a configurable
-    activation and expert-id clamp (to build near-misses)."""
+    activation and expert-id clamp (to build near-misses; None: no clamp, as transformers >= 5.2x)."""
 
-    def __init__(self, act=F.silu, clamp_max=EXPERTS - 1, repeats=TOP_K):
+    def __init__(self, act=F.silu, clamp_max: int | None = EXPERTS - 1, repeats=TOP_K):
         super().__init__()
         self.router = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN))
         self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.3)
@@ -42,7 +42,9 @@ class BatchedExperts(torch.nn.Module):
     def forward(self, x):
         weights, ids = torch.topk(F.softmax(F.linear(x, self.router), dim=-1), TOP_K, dim=-1)
         selected = x.repeat_interleave(self.repeats, dim=0)
-        ids = ids.reshape(-1).clamp(0, self.clamp_max)
+        ids = ids.reshape(-1)
+        if self.clamp_max is not None:
+            ids = ids.clamp(0, self.clamp_max)
         gate, up = torch.bmm(self.gate_up_proj[ids], selected.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(self.down_proj[ids], (self.act(gate) * up).unsqueeze(-1)).squeeze(-1)
         out = out * weights.reshape(-1).unsqueeze(-1)
@@ -69,6 +71,12 @@ def test_gelu_tanh_experts():
                           second_inputs=(torch.randn(3, HIDDEN),), dynamic={0: 0})
     (node,) = [n for n in check.gm.graph.nodes if n.target == MOE]
     assert node.args[5] == "gelu_tanh"
+
+
+def test_experts_without_the_id_clamp_as_transformers_5_25_spells_them():
+    check = check_rewrite(BatchedExperts(clamp_max=None), (torch.randn(6, HIDDEN),), MatchMoE(), expected_matches=1,
+                          second_inputs=(torch.randn(2, HIDDEN),), dynamic={0: 0})
+    assert not check.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.clamp.default)
 
 
 def test_clamp_that_drops_an_expert_is_rejected():
@@ -106,6 +114,35 @@ def test_canonicalize_moe_pass_fails_naming_itself_when_experts_remain():
 def test_canonicalize_moe_pass_counts_matches():
     run = pass_runner("canonicalize_moe", rules=["match_moe"])
     check_rewrite(BatchedExperts(), (torch.randn(6, HIDDEN),), run, expected_matches=1)
+
+
+class DenseExperts(torch.nn.Module):
+    """Every expert on every token, weighted by a dense routing matrix: no batched_mm, no rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_up = torch.nn.Parameter(torch.randn(EXPERTS, INTER, HIDDEN) * 0.3)
+        self.w_down = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTER) * 0.3)
+
+    def forward(self, x, routing):
+        hidden = F.silu(torch.einsum("th,eih->tei", x, self.w_up))
+        return torch.einsum("tei,ehi,te->th", hidden, self.w_down, routing)
+
+
+def test_canonicalize_moe_fails_for_an_experts_module_that_did_not_become_moe():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = torch.nn.Linear(HIDDEN, EXPERTS), DenseExperts()
+
+        def forward(self, x):
+            return self.experts(x, F.softmax(self.router(x), dim=-1))
+
+    gm = export_for_test(Block(), (torch.randn(5, HIDDEN),), {0: 0})
+    pass_runner("canonicalize_moe", rules=["match_moe"])(gm)  # nothing says it is MoE: nothing to do
+    gm.meta["autodeploy_experts_modules"] = ("experts",)  # what the compiler records from the HF model
+    with pytest.raises(PassError, match=r"MoE experts layer in experts \(DenseExperts\) is not supported"):
+        pass_runner("canonicalize_moe", rules=["match_moe"])(gm)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
