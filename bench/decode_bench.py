@@ -142,7 +142,7 @@ def compile_autodeploy(cfg, max_batch: int, context: int, settings: dict | None 
     max_seq_len = context + 64
     blocks = max_batch * (-(-max_seq_len // block)) + 1
     fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
-                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block, **(settings or {}))
+                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block) | (settings or {})
     for item in overrides:  # passes.fuse_norm_linear.enabled=false
         set_dotted(fields, *parse_set_option(item))
     start = time.perf_counter()

@@ -19,7 +19,7 @@ rounds to x's dtype once. On CUDA (``quant_kernel``): up to ``QUANT_GEMV_MAX_ROW
 weight-only GEMV of ``kernels/quant_gemv.py`` (activations are NOT rounded to FP8 there: decode is
 bound by the weight stream, and skipping the rounding only removes error); more rows take the FP8
 GEMM of ``kernels/quant_gemm.py`` (activations quantized as above), except FP8 weight-only, which
-has no FP8 GEMM and runs the reference.
+takes the weight-only tensor-core GEMM there (``fp8_weight_only_gemm``: x times the dequantized tiles).
 
 Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
 <linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
@@ -49,8 +49,6 @@ def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none") 
         return "reference"
     if rows <= QUANT_GEMV_MAX_ROWS:
         return "gemv"
-    if kind == "fp8" and activations == "none":
-        return "reference"
     return "gemm"
 
 
@@ -88,6 +86,10 @@ def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) ->
         from ..kernels.quant_gemv import fp8_gemv
 
         out = fp8_gemv(_rows(x), weight, weight_scale, block_size=block, bias=bias)
+    elif activations == "none":
+        from ..kernels.quant_gemm import fp8_weight_only_gemm
+
+        out = fp8_weight_only_gemm(_rows(x), weight, weight_scale, block_size=block, bias=bias)
     else:
         from ..kernels.quant_gemm import fp8_gemm
 

@@ -104,7 +104,7 @@ def test_fakes_give_output_shapes_and_dtypes():
 
 @pytest.mark.parametrize("rows, on_gpu, kind, activations, path", [
     (1, False, "fp8", "token", "reference"), (4, True, "fp8", "static", "gemv"), (5, True, "fp8", "token", "gemm"),
-    (5, True, "fp8", "none", "reference"), (1, True, "nvfp4", "none", "gemv"), (64, True, "nvfp4", "none", "gemm"),
+    (5, True, "fp8", "none", "gemm"), (1, True, "nvfp4", "none", "gemv"), (64, True, "nvfp4", "none", "gemm"),
 ])
 def test_kernel_choice(rows, on_gpu, kind, activations, path):
     assert ql.quant_kernel(rows, on_gpu, kind, activations) == path
@@ -129,6 +129,8 @@ def kernels(monkeypatch):
     gemm.fp8_gemm = record("fp8_gemm", lambda x, w, s, input_scale=None, block_size=None, bias=None:
                            ql.fp8_linear_reference(x, w, s, input_scale, bias, block_size,
                                                    "static" if input_scale is not None else "token"))
+    gemm.fp8_weight_only_gemm = record("fp8_weight_only_gemm", lambda x, w, s, block_size=None, bias=None:
+                                       ql.fp8_linear_reference(x, w, s, None, bias, block_size, "none"))
     gemm.nvfp4_gemm = record("nvfp4_gemm", lambda x, w, s, s2, bias=None: ql.nvfp4_linear_reference(x, w, s, s2, bias))
     monkeypatch.setitem(sys.modules, gemv.__name__, gemv)
     monkeypatch.setitem(sys.modules, gemm.__name__, gemm)
@@ -151,8 +153,8 @@ def test_cuda_dispatch_calls_the_agreed_signatures(kernels):
     torch.testing.assert_close(out, ql.fp8_linear_reference(x, q, ws, torch.tensor(0.5), None, None, "static"))
     ql._fp8(x, q, ws, None, None, None, "token")
     assert kernels[-1][0] == "fp8_gemm" and kernels[-1][2]["input_scale"] is None  # dynamic: no scale given
-    ql._fp8(x, q, ws, None, None, None, "none")  # FP8 weight-only at 6 rows: the reference, no kernel
-    assert len(kernels) == 3
+    ql._fp8(x, q, ws, None, None, None, "none")  # FP8 weight-only at 6 rows: the weight-only tensor-core GEMM
+    assert kernels[-1][0] == "fp8_weight_only_gemm" and len(kernels) == 4
 
 
 def test_cuda_dispatch_of_nvfp4_with_per_row_global_scales(kernels):
