@@ -113,7 +113,7 @@ def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, optio
 def _attention(dtype="bf16", **overrides):
     pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr", "cache_ptr", "sinks_ptr", "cos_ptr",
                                           "sin_ptr")}
-    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
+    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr", "alibi_ptr")})
     pointers["counters_ptr"] = "*i32"
     pointers["trace_ptr"] = "*i64"
     metadata = ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr")
@@ -130,6 +130,8 @@ def _attention(dtype="bf16", **overrides):
     const.setdefault("TRIGGER", 0)
     const.setdefault("SECOND_EARLY", False)
     const.setdefault("TRACE", False)
+    const.setdefault("HAS_CHUNK", False)
+    const.setdefault("HAS_ALIBI", False)
     # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
     const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
@@ -180,6 +182,9 @@ def variants():
     yield ("attn prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill), 8, 2)
     yield ("attn prefill gqa3 d64 window+softcap+sinks", *_attention(GROUP=3, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64,
            BLOCK_Q=32, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True, **prefill), 8, 2)
+    yield ("attn prefill gqa4 d128 chunked + alibi", *_attention(BLOCK_Q=32, HAS_CHUNK=True, HAS_ALIBI=True,
+                                                                 **prefill), 8, 2)
+    yield ("attn decode gqa4 d128 chunked + alibi (split 4)", *_attention(HAS_CHUNK=True, HAS_ALIBI=True), 4, 2)
     yield ("attn prefill mha d256 (BLOCK_M 64)", *_attention(GROUP=1, GROUP_PAD=1, HEAD_DIM=256, BLOCK_D=256,
            BLOCK_Q=64, BLOCK_N=32, **prefill), 8, 2)
     yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 2)
