@@ -15,8 +15,10 @@ length of a buffer. So it is evaluated at
 
 - ``max_seq_len`` itself, whole, up to ``FULL_EVAL_TOKENS`` (longer: at ``FULL_EVAL_TOKENS``);
 - just past every size the model config names (``*window*``, ``*chunk*`` keys) and every integer
-  constant and buffer size in the mask's own subgraph, below ``max_seq_len`` (``size + 1``; and
-  past it twice, ``2 * size + 1``, where that is no longer than ``2 * FULL_EVAL_TOKENS``);
+  constant and buffer size in the mask's own subgraph, below ``max_seq_len``: ``size + 1``, and past
+  it twice, ``2 * size + 1`` (at most ``max_seq_len`` and ``MAX_PROBE_TOKENS``). Just past a window
+  of w, the window and other patterns can still coincide (one row differs from causal); the second
+  length tells them apart and checks the pattern repeats (a chunk's second boundary);
 - a short length (``SHORT_PROBE``);
 
 the kind is read off the longest evaluation, and every evaluation must be exactly that kind's
@@ -39,7 +41,8 @@ from ..errors import UnsupportedPatternError
 
 SHORT_PROBE = 64
 # The longest mask evaluated whole: 16 M pairs. Llama's mask at 8192 tokens took 1 s to evaluate (one
-# core), every probe of this length 0.25 s. Sizes past it are probed just past them (up to 16384).
+# core), at 4096 0.25 s. Sizes past it are probed just past them, at most MAX_PROBE_TOKENS (Llama-4's
+# chunk of 8192: 16385 tokens, 268 M pairs, a 268 MB boolean per step of the mask's computation).
 FULL_EVAL_TOKENS = 4096
 MAX_PROBE_TOKENS = 4 * FULL_EVAL_TOKENS + 1  # a size hint needing a longer probe is refused
 UNKNOWN_MAX_SEQ_LEN = FULL_EVAL_TOKENS  # graphs compiled without a max_seq_len (tests)
@@ -102,13 +105,10 @@ def _classify(gm: fx.GraphModule, terms: Sequence[MaskTerm]) -> MaskKind:
 
 
 def max_seq_len(gm: fx.GraphModule) -> int:
-    """The longest sequence the compiled graph will run (set by the compiler), else the token
-    dimension's upper bound, else ``UNKNOWN_MAX_SEQ_LEN``."""
+    """The longest sequence the compiled graph will run (set by the compiler; else
+    ``UNKNOWN_MAX_SEQ_LEN``)."""
     value = gm.meta.get("autodeploy_max_seq_len")
-    if value:
-        return int(value)
-    bound = _token_upper_bound(gm)
-    return bound if bound is not None else UNKNOWN_MAX_SEQ_LEN
+    return int(value) if value else UNKNOWN_MAX_SEQ_LEN
 
 
 def probe_lengths(max_len: int, hints: Sequence[int]) -> list[int]:
@@ -119,9 +119,7 @@ def probe_lengths(max_len: int, hints: Sequence[int]) -> list[int]:
             raise UnsupportedPatternError(
                 f"the mask is computed from a size of {size} tokens, too long to check by evaluation; compile "
                 f"with max_seq_len <= {size} (then that size changes nothing) or check the model's masks")
-        lengths.add(size + 1)
-        if 2 * size + 1 <= min(max_len, 2 * FULL_EVAL_TOKENS):
-            lengths.add(2 * size + 1)
+        lengths.update((size + 1, min(2 * size + 1, max_len, MAX_PROBE_TOKENS)))
     return sorted(lengths)
 
 
@@ -294,15 +292,6 @@ def token_count(gm: fx.GraphModule):
         if node.name in ("input_ids", "position_ids") and isinstance(val, torch.Tensor):
             return val.shape[0]
     return None
-
-
-def _token_upper_bound(gm: fx.GraphModule) -> int | None:
-    size = token_count(gm)
-    if not isinstance(size, torch.SymInt):
-        return None
-    bound = size.node.shape_env.var_to_range.get(size.node.expr)
-    upper = getattr(bound, "upper", None)
-    return int(upper) if upper is not None and upper.is_finite else None
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
