@@ -16,8 +16,7 @@ The rows, the table and the timing live in ``gpu_harness.py`` (this folder).
 Paged attention uses the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at
 batch 1/8/64/256 x context 512/4096, prefill 4 x 1024 and a chunked prefill 4 x 1024 on 1024
 cached tokens; decode with the RoPE folded in (``decode+rope``, batch 1/64 x 512) next to the
-unfused ``rope_qk`` + attention pair it replaces; chunked attention and ALiBi (``decode+chunk1024``,
-``decode+alibi``, ``prefill+...``: their own kernel variants, next to the plain rows). It is one launch per call: the cache write, the
+unfused ``rope_qk`` + attention pair it replaces. It is one launch per call: the cache write, the
 attention and the merge of the flash-decoding splits; its checks also compare the written cache with the reference's and replay
 a split launch from a CUDA graph (the split counters must be back at zero after every replay).
 Anchors (FlashInfer 0.6.6 on this H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024
@@ -153,8 +152,7 @@ class PagedBatch:
             self.q, self.k, self.v, cache, self.query_lens, self.context_lens, self.cu_seqlens,
             self.block_table, self.slots, D ** -0.5, features.get("sliding_window"),
             features.get("logit_softcap"), features.get("sinks"), features.get("rope_cos"),
-            features.get("rope_sin"), features.get("rope_interleaved", False),
-            chunk_size=features.get("chunk_size"), alibi_slopes=features.get("alibi_slopes"))
+            features.get("rope_sin"), features.get("rope_interleaved", False))
 
 
 def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0,
@@ -277,14 +275,10 @@ def check_attention_features(report: Report) -> None:
     cache after the call must equal the reference's, bit for bit."""
     mixed = [(37, 5), (0, 70), (300, 1), (0, 0), (129, 1), (16, 33)]
     sinks = torch.randn(HQ, device=DEV)
-    slopes = 2.0 ** -torch.arange(1, HQ + 1, device=DEV, dtype=torch.float32) * 4  # steeper than Bloom's
     for name, heads, kv_heads, head_dim, feats in [
         ("gqa4 d128", HQ, HKV, D, {}),
         ("gqa4 window64 softcap30 sinks", HQ, HKV, D,
          dict(sliding_window=64, logit_softcap=30.0, sinks=sinks)),
-        ("gqa4 chunk64 (llama4)", HQ, HKV, D, dict(chunk_size=64)),
-        ("gqa4 alibi (bloom, mpt)", HQ, HKV, D, dict(alibi_slopes=slopes)),
-        ("gqa4 chunk48 window20 alibi", HQ, HKV, D, dict(chunk_size=48, sliding_window=20, alibi_slopes=slopes)),
         ("mqa d64", 8, 1, 64, {}),
         ("mha d256", 4, 4, 256, {}),
     ]:
@@ -300,25 +294,6 @@ def check_attention_features(report: Report) -> None:
                        AttentionLaunch(32, 32, 3)):
             err = max(err, rel_err(batch.triton(launch, **feats), want))
         report.add(Row(f"check mixed {name}", err, note="mixed step, padding, cache; default + 3/16 splits"))
-
-
-def bench_attention_variants(report: Report) -> None:
-    """Chunked attention (Llama-4) and ALiBi (Bloom, MPT): their own kernels (constexpr switches), timed
-    next to the plain decode rows of ``bench_attention``; bytes are the plain cost (a chunk reads fewer)."""
-    slopes = 2.0 ** -torch.arange(1, HQ + 1, device=DEV, dtype=torch.float32)
-    cases = [("decode+chunk1024 b=64 ctx=4096", [(4095, 1)] * 64, dict(chunk_size=1024)),
-             ("decode+alibi b=1 ctx=4096", [(4095, 1)], dict(alibi_slopes=slopes)),
-             ("decode+alibi b=64 ctx=4096", [(4095, 1)] * 64, dict(alibi_slopes=slopes)),
-             ("prefill+chunk256 4x1024", [(0, 1024)] * 4, dict(chunk_size=256)),
-             ("prefill+alibi 4x1024", [(0, 1024)] * 4, dict(alibi_slopes=slopes))]
-    for name, seqs, feats in cases:
-        nbytes, flops = attention_cost(seqs)
-        batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
-        err = rel_err(batches[0].triton(**feats), batches[0].reference(**feats))
-        row = timed(Row(name, err), lambda i: lambda: batches[i % len(batches)].triton(**feats), None, nbytes)
-        row.flops = flops if "prefill" in name else 0.0
-        report.add(row)
-        del batches
 
 
 def check_split_merge_replays(report: Report, replays: int = 20) -> None:
@@ -384,7 +359,6 @@ def main() -> int:
     check_attention_features(report)
     check_split_merge_replays(report)
     bench_attention(report, args.flashinfer)
-    bench_attention_variants(report)
     bench_rope_attention(report)
     if args.sweep:
         sweeps.sweep_decode(report)
