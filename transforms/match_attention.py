@@ -98,8 +98,9 @@ class AttentionRule(RewriteRule):
                  if isinstance(m.bindings.get(name), torch.fx.Node)]
         return classify_mask(gm, terms)
 
-    def variant_kwargs(self, m: Match, gm, num_heads: int) -> dict:
-        """The mask's flags (causal, window, chunk) and the ALiBi slopes (a buffer) of a match."""
+    def variant_kwargs(self, m: Match, gm, num_heads: int | None = None) -> dict:
+        """The mask's flags (causal, window, chunk) and the ALiBi slopes (a buffer; the rule's
+        ``POSITION_BIAS`` for ``num_heads`` query heads) of a match."""
         kind = self.mask_kind(m, gm)
         slopes = None
         if self.POSITION_BIAS and self.POSITION_BIAS in m.bindings:
@@ -110,14 +111,30 @@ class AttentionRule(RewriteRule):
     def verification_inputs(self, m: Match, values: dict) -> None:
         for name in (*self.MASK_TERMS, *self.evaluated_inputs()):
             node = m.bindings.get(name)
-            if isinstance(node, torch.fx.Node) and node in values:
-                n = concrete_shape(node.meta["val"])[-1] if node.meta["val"].dim() else 1
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and node in values:
+                n = concrete_shape(val)[-1] if val.dim() else 1
                 real = evaluate_for_length(node.graph.owning_module, node, n)
                 values[node] = real.reshape(values[node].shape) if real.numel() == values[node].numel() else real
 
     def evaluated_inputs(self) -> tuple[str, ...]:
         """Pattern inputs computed from positions or constants (besides the mask terms)."""
         return (self.POSITION_BIAS,) if self.POSITION_BIAS else ()
+
+    @staticmethod
+    def run_time_scalar(m: Match, *names: str) -> str | None:
+        """Why the match cannot be taken if one of the captured scalars ``names`` is not a constant."""
+        for name in names:
+            value = m.bindings.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"{name} is computed at run time ({value}), not a constant"
+        return None
+
+    def scaled_kwargs(self, m: Match, gm, num_heads: int) -> dict:
+        """``replacement`` arguments of a match whose scores are scaled by its ``scale`` (1 if unbound),
+        without softcap."""
+        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(m.bindings.get("scale", 1.0)),
+                "logit_softcap": None, **self.variant_kwargs(m, gm, num_heads)}
 
     def replacement(self, q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None,
                     alibi_slopes=None):
@@ -147,14 +164,10 @@ class MatchEagerAttention(AttentionRule):
         return sorted(specs, key=lambda s: (-len(s.example_inputs) - len(s.scalars), "softcap" in s.scalars))
 
     def check(self, m: Match, gm) -> str | None:
-        for name in ("scale", "divisor", "softcap"):
-            value = m.bindings.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                return f"{name} is computed at run time ({value}), not a constant"
-        return None
+        return self.run_time_scalar(m, "scale", "divisor", "softcap")
 
     def replacement_kwargs(self, m: Match, gm) -> dict:
-        variants = self.variant_kwargs(m, gm, num_heads=0)
+        variants = self.variant_kwargs(m, gm)
         variants["causal"] = variants["causal"] and "attn_mask" in m.bindings
         return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": _eager_scale(m),
                 "logit_softcap": m.bindings.get("softcap"), **variants}
@@ -198,7 +211,7 @@ class MatchSDPAAttention(AttentionRule):
     def replacement_kwargs(self, m: Match, gm) -> dict:
         flags = dict(schema_values(m.anchor))
         scale = flags["scale"] if flags["scale"] is not None else 1.0 / math.sqrt(m["q"].meta["val"].shape[-1])
-        variants = self.variant_kwargs(m, gm, num_heads=0)
+        variants = self.variant_kwargs(m, gm)
         if "attn_mask" not in m.bindings:
             variants["causal"] = bool(flags["is_causal"])
         return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(scale), "logit_softcap": None, **variants}

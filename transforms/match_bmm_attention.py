@@ -70,15 +70,10 @@ class MatchBmmAttention(AttentionRule):
         floor = m.bindings.get("floor")
         if floor is not None and not (isinstance(floor, float) and floor <= torch.finfo(scores.dtype).min):
             return f"scores are clamped at {floor}, above the dtype's lowest value: not attention"
-        scale = m.bindings.get("scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-            return f"scale is computed at run time ({scale}), not a constant"
-        return None
+        return self.run_time_scalar(m, "scale")
 
     def replacement_kwargs(self, m: Match, gm) -> dict:
-        variants = self.variant_kwargs(m, gm, num_heads=int(m["q"].meta["val"].shape[0]))
-        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(m.bindings.get("scale", 1.0)),
-                "logit_softcap": None, **variants}
+        return self.scaled_kwargs(m, gm, num_heads=int(m["q"].meta["val"].shape[0]))
 
     def replacement(self, q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None,
                     alibi_slopes=None):

@@ -65,19 +65,14 @@ class MatchSelectAttention(AttentionRule):
         q, k = m["q"].meta["val"], m["k"].meta["val"]
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] != k.shape[1]:
             return "q and k are not [B, H, S, D] with the same heads"
-        scale = m.bindings.get("scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-            return f"scale is computed at run time ({scale}), not a constant"
         fill = _fill_value(m, gm)
         (selection,) = [n for n in m.nodes if n.target in _SELECTIONS]
         if fill is None or fill > torch.finfo(selection.meta["val"].dtype).min / 2:
             return f"masked scores are set to {fill}, not to a value softmax ignores"
-        return None
+        return self.run_time_scalar(m, "scale")
 
     def replacement_kwargs(self, m: Match, gm) -> dict:
-        variants = self.variant_kwargs(m, gm, num_heads=int(m["q"].meta["val"].shape[1]))
-        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(m.bindings.get("scale", 1.0)),
-                "logit_softcap": None, **variants}
+        return self.scaled_kwargs(m, gm, num_heads=int(m["q"].meta["val"].shape[1]))
 
     def evaluated_inputs(self) -> tuple[str, ...]:
         return (*super().evaluated_inputs(), "fill_value")
