@@ -69,7 +69,8 @@ def compile_config(
         start = time.perf_counter()
         gm = export_model(model)
         timings["export"] = time.perf_counter() - start
-        gm.meta["autodeploy_window_hints"] = window_hints(hf_config)
+        gm.meta.update(autodeploy_size_hints=size_hints(hf_config), autodeploy_max_seq_len=max_seq_len,
+                       autodeploy_buffer_values=buffers)  # what mask and position-bias checks read
         gm.meta["autodeploy_experts_modules"] = experts_module_paths(model)  # canonicalize_moe checks each
         del model
 
@@ -83,6 +84,7 @@ def compile_config(
         start = time.perf_counter()
         records = run_pipeline(ctx, load_pipeline(config.pipeline, config.passes))
         timings["passes"] = time.perf_counter() - start
+        ctx.gm.meta.pop("autodeploy_buffer_values", None)  # the model's buffers are loaded: keep no second copy
     finally:
         if workers is not None:
             workers.close()
@@ -151,18 +153,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 def model_max_len(hf_config: PretrainedConfig) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return DEFAULT_MAX_SEQ_LEN
 
 
-def window_hints(hf_config: PretrainedConfig) -> tuple[int, ...]:
-    """Sliding-window sizes the config mentions; the mask probe checks them (it never trusts them)."""
+def size_hints(hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Sliding-window and chunk sizes the config mentions: the mask checks evaluate masks across them
+    (``graph/mask.py``; they never trust them)."""
     hints = set()
     for key, value in hf_config.to_dict().items():
-        if "window" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if ("window" in key or "chunk" in key) and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             hints.add(value)
     return tuple(sorted(hints))
 

@@ -3,10 +3,10 @@
 The ``warm_up`` pass compiles every Triton attention launch variant an engine can meet (about a dozen
 for the 8B shape, 2-4 s of one core each on an H200 host and 6-12 s on slow ones): the slowest part of
 its compiles. Which variants those are follows from the step limits and a few facts of each attention
-layer (heads, KV heads, head dim, dtype, page size, window, softcap, whether its RoPE is folded in),
-and all but the last can be read off the HF config before ``torch.export`` starts; the RoPE is guessed
-folded wherever the config names a rotary embedding (``fuse_rope_attention`` folds it for the
-rotate-half RoPE of the Llama family). So, while the main thread exports, the compile workers compile
+layer (heads, KV heads, head dim, dtype, page size, window, softcap, chunk, ALiBi, whether its RoPE is
+folded in), and all but the last can be read off the HF config before ``torch.export`` starts; the RoPE
+is guessed folded wherever the config names a rotary embedding (``fuse_rope_attention`` folds it for
+the rotate-half RoPE of the Llama family), except on the layers ``no_rope_layers`` marks 0 (NoPE). So, while the main thread exports, the compile workers compile
 the guessed variants into Triton's disk cache, and when the warm-up records the real ones, those
 guessed right are already there (or still compiling: the warm-up then waits for that same job).
 
@@ -39,6 +39,8 @@ class AttentionKind:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     rope: tuple[int, torch.dtype, bool] | None = None  # (rotary dim, cos/sin dtype, interleaved)
+    chunk_size: int | None = None
+    alibi: bool = False
 
 
 def guess_attention_kinds(hf_config: PretrainedConfig, dtype: torch.dtype) -> list[AttentionKind]:
@@ -54,12 +56,31 @@ def guess_attention_kinds(hf_config: PretrainedConfig, dtype: torch.dtype) -> li
         return []
     softcap = getattr(hf_config, "attn_logit_softcapping", None)
     softcap = float(softcap) if isinstance(softcap, (int, float)) and softcap > 0 else None
-    rope = _rope(hf_config, head_dim, dtype)
+    rope, alibi = _rope(hf_config, head_dim, dtype), _alibi(hf_config)
     windows = [None]
     window = getattr(hf_config, "sliding_window", None)
     if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True) is not False:
         windows.append(window)
-    return [AttentionKind(heads, kv_heads, head_dim, w, softcap, rope) for w in windows]
+    kinds = [AttentionKind(heads, kv_heads, head_dim, w, softcap, rope, alibi=alibi) for w in windows]
+    chunk = _chunk_size(hf_config)
+    if chunk is not None:
+        kinds.append(AttentionKind(heads, kv_heads, head_dim, None, softcap, rope, chunk, alibi))
+    if rope is not None and 0 in (getattr(hf_config, "no_rope_layers", None) or ()):  # NoPE layers: full attention
+        kinds.append(AttentionKind(heads, kv_heads, head_dim, None, softcap, None, alibi=alibi))
+    return kinds
+
+
+def _chunk_size(hf_config: PretrainedConfig) -> int | None:
+    """Llama-4's ``attention_chunk_size``, where some layer is a chunked one (all, without ``layer_types``)."""
+    chunk = getattr(hf_config, "attention_chunk_size", None)
+    layer_types = getattr(hf_config, "layer_types", None) or ("chunked_attention",)
+    return chunk if isinstance(chunk, int) and chunk > 0 and "chunked_attention" in layer_types else None
+
+
+def _alibi(hf_config: PretrainedConfig) -> bool:
+    """Whether the config says its attention has ALiBi (``alibi``, or MPT's ``attn_config.alibi``)."""
+    flags = (getattr(hf_config, "alibi", None), getattr(getattr(hf_config, "attn_config", None), "alibi", None))
+    return any(flag is True for flag in flags)
 
 
 def _rope(hf_config: PretrainedConfig, head_dim: int, dtype: torch.dtype) -> tuple[int, torch.dtype, bool] | None:
@@ -93,7 +114,7 @@ def start_early_attention_compiles(hf_config: PretrainedConfig, config: CompileC
             cache = torch.empty(2, 2, page, kind.num_kv_heads, kind.head_dim, dtype=dtype, device=device)
             warm_up_launches(cache, kind.num_heads, dtype, kind.head_dim ** -0.5, kind.sliding_window,
                              kind.logit_softcap, None, config.max_batch_size, config.max_num_tokens, max_blocks,
-                             kind.rope)
+                             kind.rope, kind.chunk_size, kind.alibi)
     workers.prefetch(specs)
     log.info("compiling %d guessed attention kernels during the export (%s)", len(specs), kinds)
     return len(specs)

@@ -64,8 +64,11 @@ def export_model(model: torch.nn.Module) -> fx.GraphModule:
     creates while running (e.g. ``torch.tensor(0.0)`` in mask code) keep their real values.
     """
     _fakeify(model, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
-    # Dim.DYNAMIC rather than a named range: torch 2.11 emits guards it cannot prove
-    # (min(16*T, 32*T) == 16*T) and rejects a ranged Dim; the graph carries no runtime guards anyway.
+    # Dim.DYNAMIC, not a range: with a range (1 .. 2^20) export proves every guard over it and rejects
+    # what holds only for shorter steps: MPT slices its ALiBi bias, built for its max_seq_len, to the
+    # step's token count (T == 2048 - max(0, 2048 - T): T <= 2048), and torch 2.11 could not prove
+    # min(16*T, 32*T) == 16*T. Such position-only subgraphs (ALiBi, masks) are evaluated per length and
+    # replaced by canonicalization. A specialization to one count still fails the export (Dim.DYNAMIC).
     num_tokens = Dim.DYNAMIC
     input_ids = torch.zeros(EXAMPLE_TOKENS, dtype=torch.int64)
     position_ids = torch.arange(EXAMPLE_TOKENS, dtype=torch.int64)

@@ -32,10 +32,11 @@ class RewriteCheck:
 def export_for_test(module: torch.nn.Module, inputs: tuple, dynamic: dict[int, int] | None = None) -> fx.GraphModule:
     """Export ``module`` like the compiler does; ``dynamic`` maps input index -> dynamic dim.
 
-    All dynamic dims are one symbol, the token count (as ``input_ids`` and ``position_ids`` are in
-    the compiler's export)."""
+    Dynamic dims are ``Dim.DYNAMIC``, as in the compiler's export: no range (a range makes export reject
+    code that holds only for shorter steps, e.g. a buffer sliced to the token count), and one symbol
+    where the module's code ties them (as HF models tie ``input_ids`` and ``position_ids``)."""
     dynamic = dynamic or {}
-    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    tokens = torch.export.Dim.DYNAMIC
     shapes = tuple({dynamic[i]: tokens} if i in dynamic else None for i in range(len(inputs)))
     with torch.no_grad():
         program = torch.export.export(module.eval(), inputs, dynamic_shapes=shapes, strict=False)

@@ -71,7 +71,15 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "exaone4": {"head_dim": 16},
     "olmo3": {"sliding_window": 8, **_SLIDING_THEN_FULL},
     "ministral": {"head_dim": 16, "sliding_window": 8, **_SLIDING_THEN_FULL},
-    "bloom": {},  # ALiBi: not supported yet (see model_zoo_tests/README.md)
+    "bloom": {},  # ALiBi
+    "mpt": {},  # ALiBi (its bias is built for max_seq_len 2048 and sliced per length)
+    "xglm": {},  # bmm attention, scores clamped at the dtype's lowest value
+    # local (window 8) then global layer: the config's attention_types must cover exactly num_layers
+    "gpt_neo": {"attention_types": [[["local", "global"], 1]], "window_size": 8},
+    # chunks of 8 on the RoPE layer, the NoPE layer full with its query temperature (floor_scale 4:
+    # it changes every 4 tokens), dense MLPs (no MoE layer)
+    "llama4_text": {"head_dim": 16, "attention_chunk_size": 8, "no_rope_layers": [1, 0], "floor_scale": 4,
+                    "intermediate_size_mlp": 128, "num_local_experts": 4, "moe_layers": []},
     "hunyuan_v1_dense": {},  # its config leaves head_dim None (tiny_config fills it in)
     "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1],
                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,

@@ -12,10 +12,15 @@ occupancy: such spills outside every loop cost a store and a load per program, a
 ``cold`` without failing.
 
     python bench/compile_sm90.py    # prints one table; exit status 1 if a variant fails or spills in a loop
+    python bench/compile_sm90.py --sass DIR   # + each variant's SASS (addresses stripped) in DIR/<variant>.sass
+
+``--sass`` on two checkouts and ``diff -r`` shows whether a change left a variant's machine code as it
+was (a new constexpr switch must not change the variants that leave it off).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -60,22 +65,29 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict
     return sig, attrs
 
 
-def _resources(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, stack bytes: spills) from cuobjdump."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        out = subprocess.run([str(CUOBJDUMP), "-res-usage", handle.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(CUOBJDUMP), flag, handle.name], capture_output=True, text=True).stdout
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes: spills) from cuobjdump."""
+    out = _cuobjdump(cubin, "-res-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", out)
     return (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
 
 
+def _sass(cubin: bytes) -> str:
+    """The cubin's instructions, one per line, without their addresses."""
+    sass = _cuobjdump(cubin, "-sass")
+    return "\n".join(m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)) + "\n"
+
+
 def _spills_in_loops(cubin: bytes) -> int:
     """Local-memory loads/stores (LDL/STL) inside a loop: between a backward branch and its target."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", handle.name], capture_output=True, text=True).stdout
+    sass = _cuobjdump(cubin, "-sass")
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     branch = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
     loops = [(int(m.group(1), 16), addr) for addr, text in code
@@ -92,7 +104,8 @@ def _instructions(ptx: str) -> str:
     return " ".join(f"{name} x{count}" if name == "ld.cg.v4" else name for name, count in found if count)
 
 
-def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, options=None) -> tuple[str, bool]:
+def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, options=None,
+                    sass_dir: Path | None = None) -> tuple[str, bool]:
     """One table row, and whether the variant compiled without spilling registers inside a loop."""
     sig, attrs = _signature(kernel, pointers, constexprs)
     start = time.perf_counter()
@@ -102,6 +115,8 @@ def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, optio
     except Exception as exc:  # report every failing variant, not only the first
         return f"{name:<44} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", False
     seconds = time.perf_counter() - start
+    if sass_dir is not None:
+        (sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".sass")).write_text(_sass(compiled.asm["cubin"]))
     regs, spill = _resources(compiled.asm["cubin"])
     hot = _spills_in_loops(compiled.asm["cubin"]) if spill else 0
     kind = "" if not spill else f" ({hot} spill ops in loops)" if hot else " (cold)"
@@ -113,7 +128,7 @@ def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, optio
 def _attention(dtype="bf16", **overrides):
     pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr", "cache_ptr", "sinks_ptr", "cos_ptr",
                                           "sin_ptr")}
-    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
+    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr", "alibi_ptr")})
     pointers["counters_ptr"] = "*i32"
     pointers["trace_ptr"] = "*i64"
     metadata = ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr")
@@ -130,6 +145,8 @@ def _attention(dtype="bf16", **overrides):
     const.setdefault("TRIGGER", 0)
     const.setdefault("SECOND_EARLY", False)
     const.setdefault("TRACE", False)
+    const.setdefault("HAS_CHUNK", False)
+    const.setdefault("HAS_ALIBI", False)
     # as AttentionLaunch.choose: decode launches of a grid that needs splits preload, except in fp32
     const.setdefault("PRELOAD_KV", not const["SPLIT_NEW_KEYS"] and const["NUM_SPLITS"] > 1 and dtype != "fp32")
     const["SPLITS_PAD"] = triton.next_power_of_2(const["NUM_SPLITS"])
@@ -180,6 +197,9 @@ def variants():
     yield ("attn prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill), 8, 2)
     yield ("attn prefill gqa3 d64 window+softcap+sinks", *_attention(GROUP=3, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64,
            BLOCK_Q=32, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True, **prefill), 8, 2)
+    yield ("attn prefill gqa4 d128 chunked + alibi", *_attention(BLOCK_Q=32, HAS_CHUNK=True, HAS_ALIBI=True,
+                                                                 **prefill), 8, 2)
+    yield ("attn decode gqa4 d128 chunked + alibi (split 4)", *_attention(HAS_CHUNK=True, HAS_ALIBI=True), 4, 2)
     yield ("attn prefill mha d256 (BLOCK_M 64)", *_attention(GROUP=1, GROUP_PAD=1, HEAD_DIM=256, BLOCK_D=256,
            BLOCK_Q=64, BLOCK_N=32, **prefill), 8, 2)
     yield ("attn decode fp16 d256 (BLOCK_N 32)", *_attention("fp16", HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32), 4, 2)
@@ -241,11 +261,16 @@ def variants():
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", type=Path, default=None, metavar="DIR", help="write each variant's SASS here")
+    args = parser.parse_args()
+    if args.sass is not None:
+        args.sass.mkdir(parents=True, exist_ok=True)
     print(f"triton {triton.__version__}, target sm_90")
     print(f"{'variant':<44} {'regs':>4} {'spill':>6} {'smem B':>8} w/st  compile  instructions")
     ok = True
-    for variant in variants():
-        row, good = compile_variant(*variant)
+    for name, kernel, pointers, constexprs, *launch in variants():
+        row, good = compile_variant(name, kernel, pointers, constexprs, *launch, sass_dir=args.sass)
         ok &= good
         print(row, flush=True)
     return 0 if ok else 1

@@ -1,7 +1,7 @@
 """Every zoo architecture compiles with zero per-model code and matches HF eager.
 
 For each architecture (``zoo.ZOO``): a tiny random checkpoint is built once; the compiled graph must
-have every attention layer as ``paged_attention`` (with the expected sliding windows) and every MoE
+have every attention layer as ``paged_attention`` (with the expected sliding windows and chunks) and every MoE
 layer as ``moe``; then the canary (``autodeploy.check.run_check``: fp32, staggered joins, chunked
 prefill mixed with decodes, 16 greedy steps) must pass at rel err <= 1e-4 with identical tokens.
 """
@@ -44,9 +44,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def attention_windows(model) -> list[int | None]:
+def attention_flags(model, flag: str) -> list:
     nodes = model.gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.paged_attention.default)
-    return [node.kwargs.get("sliding_window") for node in nodes]
+    return [node.kwargs.get(flag) for node in nodes]
 
 
 @pytest.mark.parametrize("zoo_model", [_param(m) for m in ZOO])
@@ -62,7 +62,9 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
     assert counts.get("paged_attention") == layers, f"attention layers not all canonicalized: {counts}"
-    assert attention_windows(compiled) == list(zoo_model.windows)
+    assert attention_flags(compiled, "sliding_window") == list(zoo_model.windows)
+    assert attention_flags(compiled, "chunk_size") == list(zoo_model.chunks)
+    assert [slopes is not None for slopes in attention_flags(compiled, "alibi_slopes")] == [zoo_model.alibi] * layers
     assert counts.get("moe", 0) == zoo_model.moe_layers, f"MoE layers not all canonicalized: {counts}"
     result = run_check(model_dir, steps=STEPS, prompt_lens=PROMPT_LENS, compiled=compiled)
     assert result.passed, result.summary()

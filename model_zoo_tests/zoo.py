@@ -3,9 +3,10 @@
 Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TINY_OVERRIDES``) with
 random weights, exported with HF's eager attention code unless ``attn_implementation`` says
 otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
-causal attention); ``xfail`` holds the real reason when an architecture cannot pass yet (the README
-lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does not
-hold) has to stop with.
+causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
+layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
+README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
+not hold) has to stop with.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FULL = (None, None)  # two layers of full causal attention
-ALIBI = ("ALiBi: the position bias is added to the scores by baddbmm; autodeploy::attention has no "
-         "ALiBi slopes yet, so canonicalize_attention stops with the softmax it cannot rewrite")
 
 
 @dataclass(frozen=True)
@@ -22,6 +21,8 @@ class ZooModel:
     model_type: str
     exercises: str
     windows: tuple[int | None, ...] = FULL
+    chunks: tuple[int | None, ...] = FULL
+    alibi: bool = False  # every attention layer has ALiBi slopes
     moe_layers: int = 0
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
@@ -72,7 +73,13 @@ ZOO: tuple[ZooModel, ...] = (
              attn_implementation="sdpa"),
     ZooModel("gemma3_text", "HF SDPA attention code, sliding + full layer", windows=(8, None),
              attn_implementation="sdpa"),
-    ZooModel("bloom", "ALiBi position bias", xfail=ALIBI),
+    ZooModel("bloom", "ALiBi position bias through baddbmm, attention on [B * H, S, D] with bmm", alibi=True),
+    ZooModel("mpt", "ALiBi bias built for max_seq_len and sliced per step, masked_fill mask", alibi=True),
+    ZooModel("xglm", "bmm attention, scores clamped at the dtype's lowest value, sinusoidal positions"),
+    ZooModel("gpt_neo", "local (window 8) + global layer: a causal buffer through where, unscaled scores",
+             windows=(8, None)),
+    ZooModel("llama4_text", "chunked attention (8) on the RoPE layer, NoPE layer with query temperature",
+             chunks=(8, None)),
     ZooModel("hunyuan_v1_dense", "q/k norms after the rotary embedding, head_dim left to the checkpoint"),
     ZooModel("qwen3_next", "Gated DeltaNet (linear attention) + full attention layer, dense MLPs",
              refused=r"check_uncached_state' failed: the layer with state the KV cache does not hold in "

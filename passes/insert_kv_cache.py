@@ -59,8 +59,13 @@ class InsertKVCache(Pass):
         )
 
 
+_ATTENTION_ARGS = ("scale", "causal", "sliding_window", "logit_softcap", "sinks", "chunk_size", "alibi_slopes")
+_CARRIED = ("sliding_window", "logit_softcap", "sinks")  # always passed (None: off)
+_CARRIED_IF_USED = ("chunk_size", "alibi_slopes")  # passed only when used: other graphs stay as they were
+
+
 def _attention_kwargs(node: fx.Node) -> dict:
-    return dict(zip(("scale", "causal", "sliding_window", "logit_softcap", "sinks"), node.args[3:]), **node.kwargs)
+    return dict(zip(_ATTENTION_ARGS, node.args[3:]), **node.kwargs)
 
 
 def _spec(node: fx.Node, cache_dtype: str | None) -> KVCacheSpec:
@@ -87,9 +92,8 @@ def _replace(
             (*flat, cache, *(meta[n] for n in METADATA_INPUTS if n != "logits_indices")),
             {
                 "scale": kwargs["scale"],
-                "sliding_window": kwargs.get("sliding_window"),
-                "logit_softcap": kwargs.get("logit_softcap"),
-                "sinks": kwargs.get("sinks"),
+                **{name: kwargs.get(name) for name in _CARRIED},
+                **{name: kwargs[name] for name in _CARRIED_IF_USED if kwargs.get(name) is not None},
             },
         )
         restored = graph.call_function(aten.unsqueeze.default, (out, 0))

@@ -103,15 +103,17 @@ class WarmUp(Pass):
             sinks = node.kwargs.get("sinks")
             sinks = get_tensor_attr(ctx.gm, sinks.target) if sinks is not None else None
             rope = _rotary(node)
+            chunk, alibi = node.kwargs.get("chunk_size"), node.kwargs.get("alibi_slopes") is not None
             settings = (q.shape[1], q.dtype, node.kwargs["scale"], node.kwargs.get("sliding_window"),
-                        node.kwargs.get("logit_softcap"), sinks is not None, tuple(cache.shape), cache.dtype, rope)
+                        node.kwargs.get("logit_softcap"), sinks is not None, tuple(cache.shape), cache.dtype, rope,
+                        chunk, alibi)
             if settings in done:
                 continue
             done.add(settings)
             count += warm_up_launches(cache, q.shape[1], q.dtype, node.kwargs["scale"],
                                       node.kwargs.get("sliding_window"), node.kwargs.get("logit_softcap"), sinks,
                                       cfg.max_batch_size, cfg.max_num_tokens,
-                                      ctx.artifacts["kv_capacity"].max_blocks_per_seq, rope)
+                                      ctx.artifacts["kv_capacity"].max_blocks_per_seq, rope, chunk, alibi)
         return count
 
 

@@ -2,8 +2,10 @@
 
 Eager attention is matched in the spellings HF models use: ``softmax(q @ k^T [* scale | / divisor]
 [softcapped] [+ mask]) @ v`` with or without ``repeat_kv`` on k/v. SDPA is matched as the op itself. The mask is
-not matched structurally: it is evaluated and classified (causal / sliding window) by
-``autodeploy.graph.mask``; the canonical op carries the result as flags.
+not matched structurally: it is evaluated and classified (causal / sliding window / chunked) by
+``autodeploy.graph.mask``; the canonical op carries the result as flags. ``AttentionRule`` is the base
+of every attention rule (this file's, ``match_bmm_attention``, ``match_select_attention``): mask
+terms and ALiBi position biases are evaluated the same way for all of them.
 
 Both rules replace a [B, H, S, D] ("bnsd") computation, so the replacement transposes into and out
 of the canonical [B, S, H, D] layout; the transposes cancel against the model's own later.
@@ -17,9 +19,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from autodeploy.graph.mask import classify_mask, evaluate_for_length
+from autodeploy.graph.mask import MaskKind, MaskTerm, classify_mask, evaluate_for_length
 from autodeploy.graph.matcher import Match, schema_values
 from autodeploy.graph.meta import concrete_shape
+from autodeploy.graph.position_bias import alibi_slopes, slopes_node
 from autodeploy.graph.rewrite import PatternSpec, RewriteRule
 
 aten = torch.ops.aten
@@ -30,11 +33,13 @@ _SCALINGS = (None, "mul", "div")  # scores not scaled, multiplied by a scale, di
 _IGNORE_REPEATS = {torch.ops.autodeploy.repeat_kv.default: {"n_rep"}, aten.softmax.int: {"dtype"}}
 
 
-def attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap):
+def attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None, alibi_slopes=None):
     """Canonical attention on [B, H, S, D] tensors (the layout HF computes attention in)."""
     t = aten.transpose.int
+    variants = {"chunk_size": chunk_size, "alibi_slopes": alibi_slopes}  # passed only when used
     out = torch.ops.autodeploy.attention.default(
-        t(q, 1, 2), t(k, 1, 2), t(v, 1, 2), scale, causal, sliding_window, logit_softcap
+        t(q, 1, 2), t(k, 1, 2), t(v, 1, 2), scale, causal, sliding_window, logit_softcap,
+        **{name: value for name, value in variants.items() if value is not None},
     )
     return t(out, 1, 2)
 
@@ -77,25 +82,66 @@ def _eager_variants():
             yield repeat, scaling, softcapped, masked, True
 
 
-class _AttentionRule(RewriteRule):
-    """Shared mask handling of both attention rules."""
+class AttentionRule(RewriteRule):
+    """What every attention rule shares: its mask terms classified, its position bias read as ALiBi
+    slopes, and those inputs given their real values (not random ones) when a match is verified.
 
-    def mask_kind(self, m: Match, gm):
-        hints = tuple(gm.meta.get("autodeploy_window_hints", ()))
-        return classify_mask(gm, m.bindings.get("attn_mask"), hints)
+    ``MASK_TERMS`` maps pattern inputs to their mask form; ``POSITION_BIAS`` names the input holding
+    an additive position bias (ALiBi), if any. Subclasses build ``replacement_kwargs`` from
+    :meth:`variant_kwargs`."""
+
+    MASK_TERMS: dict[str, str] = {"attn_mask": "additive"}
+    POSITION_BIAS: str | None = None
+
+    def mask_kind(self, m: Match, gm) -> MaskKind:
+        terms = [MaskTerm(m[name], form) for name, form in self.MASK_TERMS.items()
+                 if isinstance(m.bindings.get(name), torch.fx.Node)]
+        return classify_mask(gm, terms)
+
+    def variant_kwargs(self, m: Match, gm, num_heads: int | None = None) -> dict:
+        """The mask's flags (causal, window, chunk) and the ALiBi slopes (a buffer; the rule's
+        ``POSITION_BIAS`` for ``num_heads`` query heads) of a match."""
+        kind = self.mask_kind(m, gm)
+        slopes = None
+        if self.POSITION_BIAS and self.POSITION_BIAS in m.bindings:
+            slopes = slopes_node(gm, alibi_slopes(gm, m[self.POSITION_BIAS], num_heads))
+        return {"causal": kind.causal, "sliding_window": kind.sliding_window, "chunk_size": kind.chunk_size,
+                "alibi_slopes": slopes}
 
     def verification_inputs(self, m: Match, values: dict) -> None:
-        mask = m.bindings.get("attn_mask")
-        if mask is not None:
-            n = concrete_shape(mask.meta["val"])[-1]
-            real = evaluate_for_length(mask.graph.owning_module, mask, n)
-            values[mask] = real.reshape(values[mask].shape) if real.numel() == values[mask].numel() else real
+        for name in (*self.MASK_TERMS, *self.evaluated_inputs()):
+            node = m.bindings.get(name)
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and node in values:
+                n = concrete_shape(val)[-1] if val.dim() else 1
+                real = evaluate_for_length(node.graph.owning_module, node, n)
+                values[node] = real.reshape(values[node].shape) if real.numel() == values[node].numel() else real
 
-    def replacement(self, q, k, v, scale, causal, sliding_window, logit_softcap):
-        return attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap)
+    def evaluated_inputs(self) -> tuple[str, ...]:
+        """Pattern inputs computed from positions or constants (besides the mask terms)."""
+        return (self.POSITION_BIAS,) if self.POSITION_BIAS else ()
+
+    @staticmethod
+    def run_time_scalar(m: Match, *names: str) -> str | None:
+        """Why the match cannot be taken if one of the captured scalars ``names`` is not a constant."""
+        for name in names:
+            value = m.bindings.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"{name} is computed at run time ({value}), not a constant"
+        return None
+
+    def scaled_kwargs(self, m: Match, gm, num_heads: int) -> dict:
+        """``replacement`` arguments of a match whose scores are scaled by its ``scale`` (1 if unbound),
+        without softcap."""
+        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(m.bindings.get("scale", 1.0)),
+                "logit_softcap": None, **self.variant_kwargs(m, gm, num_heads)}
+
+    def replacement(self, q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None,
+                    alibi_slopes=None):
+        return attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size, alibi_slopes)
 
 
-class MatchEagerAttention(_AttentionRule):
+class MatchEagerAttention(AttentionRule):
     name = "match_eager_attention"
     required_ops = frozenset({aten.softmax.int, aten.matmul.default})
 
@@ -118,23 +164,13 @@ class MatchEagerAttention(_AttentionRule):
         return sorted(specs, key=lambda s: (-len(s.example_inputs) - len(s.scalars), "softcap" in s.scalars))
 
     def check(self, m: Match, gm) -> str | None:
-        for name in ("scale", "divisor", "softcap"):
-            value = m.bindings.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                return f"{name} is computed at run time ({value}), not a constant"
-        return None
+        return self.run_time_scalar(m, "scale", "divisor", "softcap")
 
     def replacement_kwargs(self, m: Match, gm) -> dict:
-        kind = self.mask_kind(m, gm)
-        return {
-            "q": m["q"],
-            "k": m["k"],
-            "v": m["v"],
-            "scale": _eager_scale(m),
-            "causal": kind.causal if "attn_mask" in m.bindings else False,
-            "sliding_window": kind.sliding_window,
-            "logit_softcap": m.bindings.get("softcap"),
-        }
+        variants = self.variant_kwargs(m, gm)
+        variants["causal"] = variants["causal"] and "attn_mask" in m.bindings
+        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": _eager_scale(m),
+                "logit_softcap": m.bindings.get("softcap"), **variants}
 
 
 def _eager_scale(m: Match) -> float:
@@ -152,7 +188,7 @@ def _sdpa_pattern(repeat: bool, masked: bool):
     return pattern
 
 
-class MatchSDPAAttention(_AttentionRule):
+class MatchSDPAAttention(AttentionRule):
     name = "match_sdpa_attention"
     required_ops = frozenset({aten.scaled_dot_product_attention.default})
     _FLAGS = {"dropout_p", "is_causal", "scale", "enable_gqa"}
@@ -175,10 +211,7 @@ class MatchSDPAAttention(_AttentionRule):
     def replacement_kwargs(self, m: Match, gm) -> dict:
         flags = dict(schema_values(m.anchor))
         scale = flags["scale"] if flags["scale"] is not None else 1.0 / math.sqrt(m["q"].meta["val"].shape[-1])
-        if "attn_mask" in m.bindings:
-            kind = self.mask_kind(m, gm)
-            causal, window = kind.causal, kind.sliding_window
-        else:
-            causal, window = bool(flags["is_causal"]), None
-        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(scale), "causal": causal,
-                "sliding_window": window, "logit_softcap": None}
+        variants = self.variant_kwargs(m, gm)
+        if "attn_mask" not in m.bindings:
+            variants["causal"] = bool(flags["is_causal"])
+        return {"q": m["q"], "k": m["k"], "v": m["v"], "scale": float(scale), "logit_softcap": None, **variants}

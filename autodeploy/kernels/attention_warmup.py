@@ -53,16 +53,18 @@ def _prefill_shapes(max_tokens: int) -> list[tuple[int, int]]:
 def warm_up_launches(
     kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, scale: float, sliding_window: int | None,
     logit_softcap: float | None, sinks: torch.Tensor | None, max_batch: int, max_tokens: int, max_blocks: int,
-    rope: tuple[int, torch.dtype, bool] | None = None,
+    rope: tuple[int, torch.dtype, bool] | None = None, chunk_size: int | None = None, alibi: bool = False,
 ) -> int:
     """Launch each reachable config once for one attention layer's settings; returns how many.
 
-    ``rope``: (rotary dim, cos/sin dtype, interleaved) of a layer whose rotary embedding is fused.
+    ``rope``: (rotary dim, cos/sin dtype, interleaved) of a layer whose rotary embedding is fused;
+    ``chunk_size``, ``alibi``: the layer's chunked attention and whether it has ALiBi slopes.
     """
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     device = kv_cache.device
     launches = reachable_launches(num_heads, num_kv_heads, head_dim, page_size, max_batch, max_tokens, max_blocks,
                                   device, dtype.itemsize)
+    slopes = torch.zeros(num_heads, dtype=torch.float32, device=device) if alibi else None
     for launch, (tokens, seqs, width) in launches.items():
         q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype, device=device)
         k = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -73,7 +75,8 @@ def warm_up_launches(
             q, k, torch.zeros_like(k), kv_cache, cu_seqlens, torch.zeros(seqs, dtype=torch.int64, device=device),
             torch.zeros(seqs, width, dtype=torch.int64, device=device),
             torch.full((tokens,), -1, dtype=torch.int64, device=device),  # slot -1: the cache is not written
-            scale, sliding_window, logit_softcap, sinks, *_rotary(rope, tokens, device), launch=launch)
+            scale, sliding_window, logit_softcap, sinks, *_rotary(rope, tokens, device), chunk_size=chunk_size,
+            alibi_slopes=slopes, launch=launch)
     return len(launches)
 
 

@@ -33,7 +33,10 @@ can be captured in a CUDA graph):
   in blocks of 16 under a register cap (``rope_decode_tuning``).
 
 Query ``i`` of sequence ``b`` sits at position ``context_lens[b] + i`` and sees keys ``j`` with
-``j <= pos`` (and ``pos - j < sliding_window``). Softmax runs in the log2 domain in fp32. The new
+``j <= pos`` (and ``pos - j < sliding_window``; with ``chunk_size``, ``j >= pos // chunk_size *
+chunk_size``: the keys of its own chunk). ALiBi adds ``slope[head] * (j - pos)`` to the scores.
+Chunks and ALiBi are constexpr switches like the window: without them the kernel is unchanged.
+Softmax runs in the log2 domain in fp32. The new
 keys must be those ``slot_mapping`` stores at the sequence's next positions (as the engine builds
 them); a real token with slot -1 would attend to its own k/v, where the reference op reads the pool.
 """
@@ -51,8 +54,8 @@ from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
     LOG2E, MASK_FULL, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_tile, _load_key_block,
-    _load_pooled_block, _locate_tile, _merge_splits, _merge_token, _rotated, _softmax_step, _split_keys,
-    _write_new_kv,
+    _load_pooled_block, _locate_tile, _merge_splits, _merge_token, _rotated, _row_limits, _softmax_step,
+    _split_keys, _write_new_kv,
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
@@ -82,7 +85,7 @@ def _paged_attention_kernel(
     scale, softcap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt, alibi_ptr, chunk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKEN_MERGE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
@@ -90,7 +93,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
     DIAG_BLOCK_N: tl.constexpr, PRELOAD_KV: tl.constexpr, SECOND_EARLY: tl.constexpr, TRIGGER: tl.constexpr,
     PDL: tl.constexpr,
-    TRACE: tl.constexpr = False,
+    TRACE: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
 ):
     # trace events (kernels/trace.py): 1 start, 2 after the wait, 6 q loaded (and rotated), 7 the
     # preloaded key block attended, 3 every key attended, 4 arrived at the merge counter, (a decode token's
@@ -119,8 +122,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + token).to(tl.int64)
     cache_head = cache_ptr + kv_head * stride_ch
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    kv_lo, kv_hi, active = _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS,
-                                       HAS_WINDOW)
+    kv_lo, kv_hi, active = _split_keys(q_first, q_len, ctx_len, split, window, chunk, BLOCK_Q, BLOCK_N,
+                                       NUM_SPLITS, HAS_WINDOW, HAS_CHUNK)
     # the split with the fewest keys writes the tile's new K/V, once
     writes_new_kv = row_ok & (rows % GROUP_PAD == 0) & (split == NUM_SPLITS - 1)
     slot = tl.load(slot_ptr + q_rows, mask=writes_new_kv, other=-1)
@@ -168,6 +171,7 @@ def _paged_attention_kernel(
                                                 stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
     trace.stamp(trace_ptr, 6, (tl.sum(q.to(tl.float32)) != 0).to(tl.int32), TRACE)
     pos = ctx_len + token
+    chunk_lo, alibi = _row_limits(pos, head, row_ok, chunk, alibi_ptr, HAS_CHUNK, HAS_ALIBI)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:
@@ -177,25 +181,26 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     cached_lo = kv_lo
     if PRELOAD_KV:  # first, so that its registers are free for the rest
+        PRELOAD_MASK: tl.constexpr = MASK_FULL if (HAS_WINDOW or HAS_CHUNK) else MASK_TAIL
         cached_lo = kv_lo + BLOCK_N
         if kv_lo < cached_hi:
             acc, m_i, l_i = _softmax_step(q, first_k, first_v, acc, m_i, l_i, first_keys, first_ok, pos, scale,
-                                          softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
-                                          MASK_FULL if HAS_WINDOW else MASK_TAIL)
+                                          softcap, window, chunk_lo, alibi, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
+                                          PRELOAD_MASK, HAS_CHUNK, HAS_ALIBI)
         if SECOND_EARLY:
             cached_lo = kv_lo + 2 * BLOCK_N
             if kv_lo + BLOCK_N < cached_hi:
                 acc, m_i, l_i = _softmax_step(q, second_k, second_v, acc, m_i, l_i, second_keys, second_ok, pos,
-                                              scale, softcap, window, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
-                                              MASK_FULL if HAS_WINDOW else MASK_TAIL)
+                                              scale, softcap, window, chunk_lo, alibi, HAS_SOFTCAP, HAS_WINDOW,
+                                              DOT_PRECISION, PRELOAD_MASK, HAS_CHUNK, HAS_ALIBI)
         trace.stamp(trace_ptr, 7, (tl.sum(l_i) > 0).to(tl.int32), TRACE)
     acc, m_i, l_i = _attend_tile(
         q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi,
         table, cache_head, stride_cb, stride_cs, stride_ckv,
-        k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+        k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window, chunk_lo, alibi,
         cos_ptr, sin_ptr, stride_rt,
         BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP,
-        DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N)
+        DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N, HAS_CHUNK, HAS_ALIBI)
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -280,6 +285,8 @@ def paged_attention_fwd(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     launch: AttentionLaunch | None = None,
     trace_buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -287,7 +294,8 @@ def paged_attention_fwd(
     returns [T, Hq, D] (rows of padding tokens past ``cu_seqlens[-1]`` are zero).
 
     With ``rope_cos``/``rope_sin`` ([T, R] per token) q and k are rotated in the kernel first (the
-    rotated keys are cached). ``launch`` overrides the block sizes and split count chosen from the
+    rotated keys are cached). ``chunk_size``: each token sees only keys of its own chunk;
+    ``alibi_slopes`` [Hq]: ALiBi's per-head slopes. ``launch`` overrides the block sizes and split count chosen from the
     shapes (tests use it). ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs =
     (cdiv(T, block_q) + B) x KV heads x splits) records each program's events (``kernels/trace.py``).
     """
@@ -308,6 +316,8 @@ def paged_attention_fwd(
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
     rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
     has_window = sliding_window is not None and sliding_window > 0
+    has_chunk = chunk_size is not None and chunk_size > 0
+    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else q  # (q: an unused pointer)
     preload = launch.decode and launch.preload_kv
     _paged_attention_kernel[grid](
         out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
@@ -316,7 +326,7 @@ def paged_attention_fwd(
         num_seqs, num_tokens, float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        *part_out.stride()[:3], *part_lse.stride()[:2], rope.stride,
+        *part_out.stride()[:3], *part_lse.stride()[:2], rope.stride, alibi, int(chunk_size) if has_chunk else 0,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         PAGE_SIZE=kv_cache.shape[2], NUM_SPLITS=launch.num_splits,
@@ -326,7 +336,8 @@ def paged_attention_fwd(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
         ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
         PRELOAD_KV=preload, SECOND_EARLY=preload and launch.second_block_early, TRIGGER=int(launch.trigger),
-        TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
+        TRACE=trace_buffer is not None, HAS_CHUNK=has_chunk, HAS_ALIBI=alibi_slopes is not None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
         **pdl.launch_options(q.device),
     )
     return out

@@ -141,20 +141,28 @@ def _load_kv_rows(k_src, v_src, key_ok, dims, dim_ok):
 
 @triton.jit
 def _softmax_step(
-    q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
+    q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window, chunk_lo, alibi,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
-    """One online-softmax update (log2 domain, fp32) of acc/m_i/l_i with one block of keys."""
+    """One online-softmax update (log2 domain, fp32) of acc/m_i/l_i with one block of keys.
+
+    ``chunk_lo`` (HAS_CHUNK): each row's first visible key, the start of its chunk; ``alibi``
+    (HAS_ALIBI): each row's ALiBi slope times log2(e), the bias being slope * (key - pos)."""
     s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * scale
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     s = s * LOG2E
+    if HAS_ALIBI:
+        s += alibi[:, None] * (keys[None, :] - pos[:, None]).to(tl.float32)
     if MASK == MASK_TAIL:
         s = tl.where(key_ok[None, :], s, float("-inf"))
     elif MASK == MASK_FULL:
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - keys[None, :] < window)
+        if HAS_CHUNK:
+            visible = visible & (keys[None, :] >= chunk_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = m_new
@@ -169,26 +177,27 @@ def _softmax_step(
 @triton.jit
 def _attend_range(
     q, acc, m_i, l_i, lo, hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
-    k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
+    k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window, chunk_lo, alibi,
     cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr, ROPE: tl.constexpr,
-    ROT_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out).
 
     Pooled keys: each block's block-table entries are loaded one iteration ahead, so that the
     pipelined K/V copies of the next block need no table round trip of their own."""
     if FROM_POOL:
-        page = _block_pages(table, lo, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW)
+        page = _block_pages(table, lo, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW or HAS_CHUNK)
         for start in range(lo, hi, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < kv_hi
-            next_page = _block_pages(table, start + BLOCK_N, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW)
+            next_page = _block_pages(table, start + BLOCK_N, kv_hi, BLOCK_N, PAGE_SIZE, HAS_WINDOW or HAS_CHUNK)
             k_t, v = _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, stride_ckv, dims,
                                         dim_ok, PAGE_SIZE)
             acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
-                                          HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
+                                          chunk_lo, alibi, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK, HAS_CHUNK,
+                                          HAS_ALIBI)
             page = next_page
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -198,18 +207,19 @@ def _attend_range(
                                      v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr,
                                      stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM)
             acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
-                                          HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK)
+                                          chunk_lo, alibi, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK, HAS_CHUNK,
+                                          HAS_ALIBI)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _block_pages(table, start, kv_hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _block_pages(table, start, kv_hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, UNALIGNED: tl.constexpr):
     """The block-table entry of each key start, start + 1, ... of a block (0 past kv_hi), as int32.
 
     Where a block spans whole pages, one entry per page is loaded and repeated for its keys: a few
     values to keep across an iteration of the key loop instead of one per key. Blocks start at
-    multiples of BLOCK_N unless a sliding window starts them (``_split_keys``)."""
-    if BLOCK_N % PAGE_SIZE == 0 and BLOCK_N > PAGE_SIZE and not HAS_WINDOW:
+    multiples of BLOCK_N unless a sliding window or a chunk starts them (``_split_keys``: UNALIGNED)."""
+    if BLOCK_N % PAGE_SIZE == 0 and BLOCK_N > PAGE_SIZE and not UNALIGNED:
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
         first = start // PAGE_SIZE + tl.arange(0, PAGES)
         pages = tl.load(table + first, mask=first * PAGE_SIZE < kv_hi, other=0).to(tl.int32)
@@ -219,14 +229,17 @@ def _block_pages(table, start, kv_hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.const
 
 
 @triton.jit
-def _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _split_keys(q_first, q_len, ctx_len, split, window, chunk, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
     """[kv_lo, kv_hi): this split's share of the keys visible to some row of the tile, in whole
-    blocks, and ``active``: how many splits have a share (the later ones have none)."""
+    blocks, and ``active``: how many splits have a share (the later ones have none). The tile's first
+    row sees the earliest keys: its window's or its chunk's first."""
     kv_hi = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len)
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(ctx_len + q_first - window + 1, 0)
+    if HAS_CHUNK:
+        kv_lo = tl.maximum(kv_lo, (ctx_len + q_first) // chunk * chunk)
     active = 1
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -240,10 +253,10 @@ def _split_keys(q_first, q_len, ctx_len, split, window, BLOCK_Q: tl.constexpr, B
 def _attend_tile(
     q, acc, m_i, l_i, pos, q_first, q_len, ctx_len, q_start, kv_lo, cached_lo, cached_hi, kv_hi, table, cache_head,
     stride_cb, stride_cs, stride_ckv, k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-    cos_ptr, sin_ptr, stride_rt,
+    chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """acc/m_i/l_i (unnormalised output, running max and sum, log2 domain) of one tile updated with the
     split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended); the
@@ -253,29 +266,43 @@ def _attend_tile(
     # (unmasked; only worth a loop of its own when tiles have many new keys), then the diagonal.
     # Their loads need no block table: a decode's single new-key block is fetched in the same
     # round trip as q. Then the cached keys [cached_lo, ctx_len), from the pool, masked only past
-    # their end (and outside a window).
+    # their end (and outside a window or a chunk: rows of one tile then see different first keys).
     new_lo = tl.maximum(kv_lo, ctx_len)
     diag_lo = new_lo
-    if SPLIT_NEW_KEYS and not HAS_WINDOW:
+    if SPLIT_NEW_KEYS and not (HAS_WINDOW or HAS_CHUNK):
         seen_by_all = tl.minimum(kv_hi, ctx_len + q_first + 1)
         diag_lo = new_lo + tl.maximum(seen_by_all - new_lo, 0) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = _attend_range(
             q, acc, m_i, l_i, new_lo, diag_lo, kv_hi, pos, table, cache_head, stride_cb, stride_cs,
             stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-            cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
-            MASK_NONE, ROPE, ROT_DIM)
+            chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
+            DOT_PRECISION, False, MASK_NONE, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI)
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, diag_lo, kv_hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
         k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, False,
-        MASK_FULL, ROPE, ROT_DIM)
-    CACHED_MASK: tl.constexpr = MASK_FULL if HAS_WINDOW else MASK_TAIL
+        chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
+        DOT_PRECISION, False, MASK_FULL, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI)
+    CACHED_MASK: tl.constexpr = MASK_FULL if (HAS_WINDOW or HAS_CHUNK) else MASK_TAIL
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, cached_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
         stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
-        cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, True,
-        CACHED_MASK, ROPE_NONE, ROT_DIM)  # pooled keys were rotated before they were cached
+        chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
+        DOT_PRECISION, True, CACHED_MASK, ROPE_NONE, ROT_DIM, HAS_CHUNK,
+        HAS_ALIBI)  # pooled keys were rotated before they were cached
     return acc, m_i, l_i
+
+
+@triton.jit
+def _row_limits(pos, head, row_ok, chunk, alibi_ptr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Per row of a tile: the first key of its chunk (HAS_CHUNK; else its position, unused) and its
+    head's ALiBi slope times log2(e) (HAS_ALIBI; else 0, unused)."""
+    chunk_lo = pos
+    if HAS_CHUNK:
+        chunk_lo = pos // chunk * chunk
+    alibi = tl.zeros(pos.shape, dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    return chunk_lo, alibi
 
 
 @triton.jit

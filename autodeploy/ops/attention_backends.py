@@ -19,7 +19,7 @@ import torch
 from ..errors import ConfigError
 from ..registry import Registry
 
-FEATURES = ("sliding_window", "logit_softcap", "sinks")
+FEATURES = ("sliding_window", "logit_softcap", "sinks", "chunk_size", "alibi_slopes")
 
 
 def _always(device: torch.device) -> str | None:

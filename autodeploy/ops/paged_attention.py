@@ -10,13 +10,16 @@ Optional rotary embedding (``fuse_rope_attention``): with ``rope_cos``/``rope_si
 token, R even and <= D) the op first rotates q and k like ``autodeploy::rope`` on their first R
 dims (half-rotate, or pairwise when ``rope_interleaved``), rounded back to q's and k's dtypes; the
 rotated keys are what is cached and attended to. None (the default): no rotation.
+
+``chunk_size`` and ``alibi_slopes`` (Llama-4 chunked attention, ALiBi) mean what they mean in
+``autodeploy::attention``, with absolute positions (a token's position is its index in its sequence).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import attention_reference, attention_scores_mask
+from .attention import alibi_bias, attention_reference, attention_scores_mask
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -65,6 +68,8 @@ def paged_attention(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)
     write_kv_cache(k, v, kv_cache, slot_mapping)
@@ -76,10 +81,11 @@ def paged_attention(
         seq_len = n_ctx + n_q
         n_blocks = -(-seq_len // block_size)
         keys, values = gather_kv(kv_cache, block_table[b, :n_blocks], seq_len)
-        q_pos = torch.arange(n_ctx, seq_len, device=q.device)
-        allowed = attention_scores_mask(q_pos, torch.arange(seq_len, device=q.device), True, sliding_window)
+        q_pos, k_pos = torch.arange(n_ctx, seq_len, device=q.device), torch.arange(seq_len, device=q.device)
+        allowed = attention_scores_mask(q_pos, k_pos, True, sliding_window, chunk_size)
+        bias = alibi_bias(alibi_slopes, q_pos, k_pos) if alibi_slopes is not None else None
         out[start : start + n_q] = attention_reference(
-            q[start : start + n_q], keys.to(q.dtype), values.to(q.dtype), allowed, scale, logit_softcap, sinks
+            q[start : start + n_q], keys.to(q.dtype), values.to(q.dtype), allowed, scale, logit_softcap, sinks, bias
         )
     return out
 

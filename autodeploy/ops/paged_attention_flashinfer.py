@@ -1,6 +1,8 @@
 """Optional FlashInfer backend of paged attention: ``autodeploy::paged_attention_flashinfer``.
 
-Same schema as ``autodeploy::paged_attention``; no attention sinks; head dims 64/128/256; a fused
+Same schema as ``autodeploy::paged_attention``; no attention sinks, chunked attention or ALiBi
+(FlashInfer's paged kernels have no chunk mask, and its built-in ALiBi slopes are its own, not the
+model's: a layer using them is refused at compile time); head dims 64/128/256; a fused
 rotary embedding runs as the ``rope_qk`` kernel before the cache write. It is
 registered whether or not FlashInfer is installed (so graphs naming it stay loadable); choosing it
 on a machine without ``flashinfer`` fails at compile time with the reason. Eager only: FlashInfer
@@ -36,9 +38,13 @@ def paged_attention_flashinfer(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if sinks is not None:
-        raise UnsupportedPatternError("the flashinfer backend does not support attention sinks (use triton)")
+    unsupported = {"attention sinks": sinks, "chunked attention": chunk_size, "ALiBi": alibi_slopes}
+    for feature, value in unsupported.items():
+        if value is not None:
+            raise UnsupportedPatternError(f"the flashinfer backend does not support {feature} (use triton)")
     from ..kernels.flashinfer_paged import flashinfer_paged_attention
 
     q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)  # FlashInfer's own RoPE takes positions
@@ -64,6 +70,6 @@ FLASHINFER_BACKEND = AttentionBackend(
     "flashinfer",
     torch.ops.autodeploy.paged_attention_flashinfer.default,
     availability=flashinfer_runs_on,
-    unsupported=frozenset({"sinks"}),
+    unsupported=frozenset({"sinks", "chunk_size", "alibi_slopes"}),
     head_dims=(64, 128, 256),
 )

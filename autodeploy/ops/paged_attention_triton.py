@@ -33,12 +33,15 @@ def paged_attention_triton(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from ..kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
         q, k, v, kv_cache, cu_seqlens, context_lens, block_table, slot_mapping,
         scale, sliding_window, logit_softcap, sinks, rope_cos, rope_sin, rope_interleaved,
+        chunk_size=chunk_size, alibi_slopes=alibi_slopes,
     )
 
 

@@ -31,7 +31,8 @@ def graph_attention_kinds(gm) -> set[AttentionKind]:
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.paged_attention_triton.default):
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         kinds.add(AttentionKind(q.shape[1], k.shape[1], q.shape[2], node.kwargs.get("sliding_window"),
-                                node.kwargs.get("logit_softcap"), _rotary(node)))
+                                node.kwargs.get("logit_softcap"), _rotary(node), node.kwargs.get("chunk_size"),
+                                node.kwargs.get("alibi_slopes") is not None))
     return kinds
 
 
@@ -44,6 +45,17 @@ def test_the_guess_covers_every_attention_kind_of_the_compiled_graph(model_type,
     guessed = guess_attention_kinds(hf_config, getattr(torch, dtype))
     assert found and found <= set(guessed), (found, guessed)
     assert len(guessed) <= 2 * len(found)  # no more than one wrong guess per right one (mistral, qwen2)
+
+
+def test_the_guess_has_chunked_nope_and_alibi_kinds():
+    """Llama-4: a chunked kind and a NoPE (full, no rotary) one; MPT's config flags ALiBi. (Their tiny
+    graphs differ from the guess elsewhere: Llama-4's complex RoPE is not folded, the tiny MPT config
+    carries a num_key_value_heads that MPT ignores.)"""
+    llama4 = guess_attention_kinds(tiny_config("llama4_text"), torch.float16)
+    assert {kind.chunk_size for kind in llama4} == {None, 8}
+    assert any(kind.rope is None and kind.chunk_size is None for kind in llama4)
+    mpt = guess_attention_kinds(tiny_config("mpt"), torch.float16)
+    assert mpt and all(kind.alibi for kind in mpt)
 
 
 def test_no_guess_without_a_head_count():

@@ -33,11 +33,12 @@ def step_metadata(chunks: list[tuple[int, int, tuple[int, ...]]], page: int, pad
 
 
 def run_schedule(op, q, k, v, blocks, schedule, page, cache, scale, window=None, softcap=None, sinks=None,
-                 rope=None):
+                 rope=None, **variants):
     """Feed per-sequence q/k/v ([L, H, D] each) to ``op`` step by step; return per-sequence outputs.
 
     ``schedule`` is a list of steps, each a list of (sequence, tokens) pairs, run in order. ``rope``:
-    (per-sequence cos, per-sequence sin ([L, R] each), interleaved), fed to the op's rotary inputs.
+    (per-sequence cos, per-sequence sin ([L, R] each), interleaved), fed to the op's rotary inputs;
+    ``variants``: the op's keyword-only features (``chunk_size``, ``alibi_slopes``).
     """
     done = [0] * len(q)
     outs = [torch.zeros_like(x) for x in q]
@@ -48,7 +49,7 @@ def run_schedule(op, q, k, v, blocks, schedule, page, cache, scale, window=None,
         query_lens, context_lens, cu, table, slots = step_metadata(chunks, page)
         rotary = (take(rope[0]), take(rope[1]), rope[2]) if rope else ()
         out = op(take(q), take(k), take(v), cache, query_lens, context_lens, cu, table, slots, scale,
-                 window, softcap, sinks, *rotary)
+                 window, softcap, sinks, *rotary, **variants)
         offset = 0
         for s, a, b in rows:
             outs[s][a:b] = out[offset: offset + b - a]

@@ -33,7 +33,14 @@ def test_unsupported_features_fail_at_compile_time():
         flashinfer.check_layer(128, {"sinks": object()}, "layer0")
     with pytest.raises(ConfigError, match="head dims"):
         flashinfer.check_layer(80, {}, "layer0")
-    ATTENTION_BACKENDS.get("triton").check_layer(80, {"sinks": object()}, "layer0")
+    # FlashInfer has no chunk mask, and its ALiBi slopes are its own: refused before anything runs
+    with pytest.raises(ConfigError, match="does not support chunk_size"):
+        flashinfer.check_layer(128, {"chunk_size": 8192}, "layer0")
+    with pytest.raises(ConfigError, match="does not support alibi_slopes"):
+        flashinfer.check_layer(128, {"alibi_slopes": object()}, "layer0")
+    for name in ("triton", "torch"):
+        ATTENTION_BACKENDS.get(name).check_layer(80, {"sinks": object(), "chunk_size": 8, "alibi_slopes": object()},
+                                                 "layer0")
 
 
 def test_only_the_triton_backend_is_capturable_in_cuda_graphs():

@@ -33,17 +33,28 @@ def test_warm_up_launches_each_config_and_writes_nothing():
     assert torch.equal(cache, before)
 
 
-def test_warm_up_of_a_layer_with_fused_rope_launches_the_rope_variant(monkeypatch):
-    """The rotary variant is a kernel of its own: a fused layer warms up that one, with cos/sin per token."""
+def _recorded_warm_up(monkeypatch, **layer) -> list[tuple[tuple, dict]]:
+    """warm_up_launches of one layer's settings: the (args, kwargs) of each launch; the cache unchanged."""
     import autodeploy.kernels.attention_warmup as warmup
 
     seen, launch = [], warmup.paged_attention_fwd
-    monkeypatch.setattr(warmup, "paged_attention_fwd", lambda *args, **kw: seen.append(args) or launch(*args, **kw))
+    monkeypatch.setattr(warmup, "paged_attention_fwd", lambda *args, **kw: seen.append((args, kw)) or launch(*args, **kw))
     cache = torch.randn(6, 2, 4, 2, 16)
     before = cache.clone()
     count = warm_up_launches(cache, 4, torch.float32, 0.25, None, None, None, max_batch=3, max_tokens=12, max_blocks=4,
-                             rope=(8, torch.float16, True))
+                             **layer)
     assert count == len(seen) >= 2 and torch.equal(cache, before)
-    for args in seen:
+    return seen
+
+
+def test_warm_up_of_a_chunked_alibi_layer_launches_that_variant(monkeypatch):
+    """Chunks and ALiBi are constexpr switches: such a layer warms up its own kernels (slopes given)."""
+    seen = _recorded_warm_up(monkeypatch, chunk_size=8, alibi=True)
+    assert all(kw["chunk_size"] == 8 and kw["alibi_slopes"].shape == (4,) for _, kw in seen)
+
+
+def test_warm_up_of_a_layer_with_fused_rope_launches_the_rope_variant(monkeypatch):
+    """The rotary variant is a kernel of its own: a fused layer warms up that one, with cos/sin per token."""
+    for args, _ in _recorded_warm_up(monkeypatch, rope=(8, torch.float16, True)):
         q, cos, sin, interleaved = args[0], args[12], args[13], args[14]
         assert cos.shape == sin.shape == (q.shape[0], 8) and cos.dtype == torch.float16 and interleaved is True

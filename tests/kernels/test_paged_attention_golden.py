@@ -1,6 +1,7 @@
 """Golden test (rule of the house 4) on every available paged-attention backend:
 full-sequence dense attention == prefill then token-by-token decode == chunked prefill, without and
-with the rotary embedding folded into the op (``fuse_rope_attention``)."""
+with the rotary embedding folded into the op (``fuse_rope_attention``), with Llama-4's chunked
+attention and with ALiBi (a backend that cannot run a feature is checked to refuse it)."""
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ def _backends():
     return names
 
 
-def _dense(q, k, v, window, softcap, sinks):
-    return torch.ops.autodeploy.attention(q[None], k[None], v[None], SCALE, True, window, softcap, sinks)[0]
+def _dense(q, k, v, window, softcap, sinks, variants):
+    return torch.ops.autodeploy.attention(q[None], k[None], v[None], SCALE, True, window, softcap, sinks,
+                                          **variants)[0]
 
 
 def _schedules():
@@ -72,6 +74,43 @@ def test_golden_with_partial_interleaved_rope_and_window(backend):
     _golden(backend, 4, 2, torch.float32, window=4, softcap=None, sinks=None, rope=(8, True))
 
 
+def _refused_or_golden(backend, heads, kv_heads, dtype, **features):
+    """The golden test of a layer using ``chunk_size``/``alibi_slopes``, or, on a backend that lists
+    the feature as unsupported, its refusal at compile time (``check_layer``)."""
+    used = {"chunk_size": features.get("chunk"), "alibi_slopes": features.get("alibi")}
+    spec = ATTENTION_BACKENDS.get(backend)
+    if any(used[f] and f in spec.unsupported for f in used):
+        with pytest.raises(ConfigError, match="does not support"):
+            spec.check_layer(16, used, "layer0")
+        return
+    _golden(backend, heads, kv_heads, dtype, window=features.get("window"), softcap=None, sinks=None,
+            rope=features.get("rope"), chunk=features.get("chunk"), alibi=features.get("alibi", False))
+
+
+# MHA, GQA and MQA, each in one dtype (the interpreter is slow: every combination would add minutes)
+HEADS_AND_DTYPES = pytest.mark.parametrize("heads,kv_heads,dtype", [
+    (4, 4, torch.float32), (4, 2, torch.float16), (4, 1, torch.float32)], ids=["mha-fp32", "gqa-fp16", "mqa-fp32"])
+
+
+@pytest.mark.parametrize("backend", _backends())
+@HEADS_AND_DTYPES
+def test_golden_chunked_attention(backend, heads, kv_heads, dtype):
+    """Chunks of 3 tokens (Llama-4's chunked attention, with its RoPE folded in): every schedule's steps
+    start and end mid-chunk."""
+    _refused_or_golden(backend, heads, kv_heads, dtype, chunk=3, rope=(16, False))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@HEADS_AND_DTYPES
+def test_golden_alibi(backend, heads, kv_heads, dtype):
+    _refused_or_golden(backend, heads, kv_heads, dtype, alibi=True)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_golden_alibi_chunk_and_window_together(backend):
+    _refused_or_golden(backend, 4, 2, torch.float32, alibi=True, chunk=5, window=3)
+
+
 def _rotary(rope, dtype):
     """Per-sequence cos/sin of positions 0.. (as a model computes them) and the dense reference's rotation."""
     if rope is None:
@@ -86,16 +125,19 @@ def _rotary(rope, dtype):
     return (cos, sin, interleaved), rotate
 
 
-def _golden(backend, heads, kv_heads, dtype, window, softcap, sinks, rope=None):
+def _golden(backend, heads, kv_heads, dtype, window, softcap, sinks, rope=None, chunk=None, alibi=False):
     op = ATTENTION_BACKENDS.get(backend).op
     q, k, v = ([torch.randn(n, h, 16).to(dtype) for n in LENGTHS] for h in (heads, kv_heads, kv_heads))
     rotary, rotate = _rotary(rope, dtype)
-    want = [_dense(rotate(q[s], s), rotate(k[s], s), v[s], window, softcap, sinks) for s in range(len(LENGTHS))]
+    variants = {"chunk_size": chunk, "alibi_slopes": torch.rand(heads) if alibi else None}
+    want = [_dense(rotate(q[s], s), rotate(k[s], s), v[s], window, softcap, sinks, variants)
+            for s in range(len(LENGTHS))]
     blocks = shuffled_blocks(LENGTHS, PAGE, BLOCKS)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for name, schedule in _schedules().items():
         cache = random_cache(BLOCKS, PAGE, kv_heads, 16, dtype)
-        got = run_schedule(op, q, k, v, blocks, schedule, PAGE, cache, SCALE, window, softcap, sinks, rotary)
+        got = run_schedule(op, q, k, v, blocks, schedule, PAGE, cache, SCALE, window, softcap, sinks, rotary,
+                           **variants)
         for s in range(len(LENGTHS)):
             torch.testing.assert_close(got[s].float(), want[s].float(), atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 

@@ -17,7 +17,7 @@ MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]
 
 
 def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None, softcap=None, sinks=False,
-             pad_tokens=0, cache_dtype=None, seed=0):
+             pad_tokens=0, cache_dtype=None, seed=0, chunk=None, alibi=False):
     torch.manual_seed(seed)
     blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=64)
     query_lens, context_lens, cu, table, slots = step_metadata(
@@ -28,8 +28,9 @@ def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None
     cache = random_cache(64, page, kv_heads, head_dim, cache_dtype or dtype)
     want_cache, got_cache = cache.clone(), cache.clone()
     features = (window, softcap, sink_logits)
-    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, *features)
-    got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, *features,
+    variants = {"chunk_size": chunk, "alibi_slopes": 2.0 ** -torch.arange(1, heads + 1.0) if alibi else None}
+    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, *features, **variants)
+    got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, *features, **variants,
                               launch=launch)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
@@ -63,6 +64,29 @@ def test_sliding_window_softcap_and_sinks(splits):
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), window=3)
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), softcap=2.5)
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(32, 8, splits), window=5, softcap=4.0, sinks=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("chunk", [5, 8, 16])
+def test_chunked_attention(splits, chunk):
+    """Llama-4's chunks: a token sees the earlier keys of its own chunk only. Tiles and key blocks
+    straddle chunk boundaries (chunk 5: none aligned; 8: the page and half a key block; 16: a key
+    block), prefill chunks and decodes start mid-chunk, and splits cover only the chunk's keys."""
+    seqs = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0), (30, 9), (16, 1), (14, 20)]
+    _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), chunk=chunk)
+    _compare(seqs, 4, 2, 16, torch.float16, AttentionLaunch(32, 8, splits, decode=True, preload_kv=True),
+             page=8, chunk=chunk)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_alibi(splits):
+    """ALiBi slopes (one per query head, GQA groups included) with prefill, chunked prefill and decodes."""
+    seqs = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0), (30, 9)]
+    _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, splits), alibi=True)
+    _compare(seqs, 8, 2, 16, torch.float16, AttentionLaunch(16, 16, splits, decode=True, preload_kv=True),
+             alibi=True)
+    _compare(seqs, 4, 1, 16, torch.float32, AttentionLaunch(32, 8, splits), alibi=True, window=6, softcap=3.0,
+             sinks=True, chunk=8)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -221,34 +245,38 @@ def test_split_partials_keep_strides_the_jit_specializes(tokens, heads, head_dim
 
 
 @triton.jit
-def _split_keys_probe(out_ptr, ctx_len, q_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr):
+def _split_keys_probe(out_ptr, ctx_len, q_len, window, chunk, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
     split = tl.program_id(0)
-    lo, hi, active = _split_keys(0, q_len, ctx_len, split, window, 16, BLOCK_N, NUM_SPLITS, HAS_WINDOW)
+    lo, hi, active = _split_keys(0, q_len, ctx_len, split, window, chunk, 16, BLOCK_N, NUM_SPLITS, HAS_WINDOW,
+                                 HAS_CHUNK)
     tl.store(out_ptr + split * 3, lo)
     tl.store(out_ptr + split * 3 + 1, hi)
     tl.store(out_ptr + split * 3 + 2, active)
 
 
-def _split_shares(ctx_len, q_len, splits, block_n=32, window=0):
+def _split_shares(ctx_len, q_len, splits, block_n=32, window=0, chunk=0):
     out = torch.zeros(splits, 3, dtype=torch.int32)
-    _split_keys_probe[(splits,)](out, ctx_len, q_len, window, BLOCK_N=block_n, NUM_SPLITS=splits,
-                                 HAS_WINDOW=window > 0)
+    _split_keys_probe[(splits,)](out, ctx_len, q_len, window, chunk, BLOCK_N=block_n, NUM_SPLITS=splits,
+                                 HAS_WINDOW=window > 0, HAS_CHUNK=chunk > 0)
     active = int(out[0, 2])
     return [(int(lo), int(hi)) for lo, hi, _ in out[:active]], active
 
 
-@pytest.mark.parametrize("ctx_len,q_len,window", [(512, 1, 0), (520, 1, 0), (100, 1, 0), (0, 1, 0), (31, 4, 0),
-                                                  (700, 1, 200), (700, 3, 2)])
-def test_splits_share_the_visible_keys_in_whole_blocks(ctx_len, q_len, window):
+@pytest.mark.parametrize("ctx_len,q_len,window,chunk", [(512, 1, 0, 0), (520, 1, 0, 0), (100, 1, 0, 0), (0, 1, 0, 0),
+                                                        (31, 4, 0, 0), (700, 1, 200, 0), (700, 3, 2, 0),
+                                                        (700, 3, 0, 256), (700, 1, 200, 640), (700, 1, 20, 64)])
+def test_splits_share_the_visible_keys_in_whole_blocks(ctx_len, q_len, window, chunk):
     """Every key visible to the tile falls to exactly one split, in whole blocks but the last share; at
     512 cached keys + 1 new over 16 splits of 32-key blocks: 9 splits of 64 keys, the last holding only
     the new key. (Sharing out the pooled keys alone, the new one going to the 16th split, measured
-    level on the H200: bench/layer_chain.py, 2026-12-03.)"""
-    shares, active = _split_shares(ctx_len, q_len, 16, window=window)
+    level on the H200: bench/layer_chain.py, 2026-12-03.) With a window or a chunk the shares start at
+    the first key the tile's first query sees."""
+    shares, active = _split_shares(ctx_len, q_len, 16, window=window, chunk=chunk)
     first = max(ctx_len + 1 - window, 0) if window else 0  # the window of the tile's first query
+    first = max(first, ctx_len // chunk * chunk) if chunk else first  # the start of its chunk
     assert shares[0][0] == first and shares[-1][1] == ctx_len + q_len
     assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
     assert all((hi - lo) % 32 == 0 for lo, hi in shares[:-1]) and all(hi > lo for lo, hi in shares)
-    if (ctx_len, q_len, window) == (512, 1, 0):
+    if (ctx_len, q_len, window, chunk) == (512, 1, 0, 0):
         assert active == 9 and shares[-1] == (512, 513) and all(hi - lo == 64 for lo, hi in shares[:-1])
