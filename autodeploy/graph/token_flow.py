@@ -40,6 +40,7 @@ _ELEMENTWISE = frozenset({
     aten.type_as.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
     aten.lift_fresh_copy.default, aten.copy_.default, aten.copy.default, aten.dropout.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.polar.default,  # complex from magnitude and angle (Llama-4's rotary embedding), element by element
 })
 _LAYOUT = frozenset({  # move or copy whole dimensions; the shape checks keep the token dimension whole
     aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default, aten.unsqueeze.default,
@@ -48,6 +49,7 @@ _LAYOUT = frozenset({  # move or copy whole dimensions; the shape checks keep th
     aten.chunk.default, aten.unbind.int, aten.cat.default, aten.concat.default, aten.stack.default,
     aten.repeat.default, aten.repeat_interleave.self_int, aten.narrow.default, aten.unflatten.int,
     aten.constant_pad_nd.default, aten.pad.default, operator.getitem,
+    aten.view_as_complex.default, aten.view_as_real.default,  # the last dimension (2 floats <-> 1 complex)
 })
 _FACTORIES = frozenset({  # a tensor input, if any, only lends its dtype and device
     aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,

@@ -64,6 +64,9 @@ TOKEN_LOCAL = {
     "top-k over features": lambda m, x, p: x * torch.zeros_like(x).scatter(1, x.topk(2, dim=-1).indices, 1.0),
     "gather over features": lambda m, x, p: x.gather(1, x.argsort(dim=-1)),
     "sum over features": lambda m, x, p: x - x.sum(-1, keepdim=True),
+    "complex rotation (Llama-4's RoPE)": lambda m, x, p: torch.view_as_real(
+        torch.view_as_complex(x.float().reshape(x.shape[0], -1, 2))
+        * torch.polar(torch.ones(x.shape[0], HIDDEN // 2), p[:, None].float() * 0.1)).reshape(x.shape[0], HIDDEN),
 }
 
 
