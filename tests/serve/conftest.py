@@ -71,6 +71,9 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
+ENGINE_MODES = ["in_process", "engine_process"]
+
+
 class LiveServer:
     """A uvicorn server on a free loopback port, in a thread; with ``state``, the server ``autodeploy
     serve`` runs (it drains on ``server.handle_exit``)."""
@@ -102,19 +105,23 @@ class LiveServer:
         self.thread.join(10)
 
 
-def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, **options):
+def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, engine_process=False,
+               **options):
     """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
-    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields."""
+    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields. With
+    ``engine_process`` the engine runs in a forked process of its own (as ``--engine_process on``)."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
+    from autodeploy.serve.engine_client import fork_engine_process
     from autodeploy.serve.limits import RequestLimits
     from autodeploy.serve.serving_common import ServerState
 
     state_options = {k: options.pop(k) for k in ("api_key_file", "metrics_without_key") if k in options}
     engine_options = options
     state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
-    engine = AsyncEngine(Engine(compiled, tokenizer, EngineConfig(**engine_options)))
-    state.attach(engine, tokenizer, compiled.max_seq_len)
+    engine = Engine(compiled, tokenizer, EngineConfig(**engine_options))
+    front = fork_engine_process(engine, tokenizer) if engine_process else AsyncEngine(engine)
+    state.attach(front, tokenizer, compiled.max_seq_len)
     return state
 
 
@@ -134,18 +141,38 @@ def serving(compiled, tokenizer, drain_timeout: float = 2.0, **options):
         state.preprocess.close()
 
 
+def pytest_generate_tests(metafunc):
+    """A module with ``LIVE_MODES = ENGINE_MODES`` runs its ``live`` tests against both engines."""
+    modes = getattr(metafunc.module, "LIVE_MODES", None)
+    if modes and "live" in metafunc.fixturenames:
+        metafunc.parametrize("live", modes, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def live(compiled, tokenizer):
-    """A live server over the shared compiled model; one per test module."""
+def live(request, compiled, tokenizer):
+    """A live server over the shared compiled model; one per test module (per engine mode where the
+    module sets ``LIVE_MODES``)."""
     from autodeploy.serve.server import build_app
 
-    state = make_state(compiled, tokenizer)
+    mode = getattr(request, "param", "in_process")
+    state = make_state(compiled, tokenizer, engine_process=mode == "engine_process")
     server = LiveServer(build_app(state))
     server.state = state
     yield server
     server.close()
     state.engine.shutdown()
     state.preprocess.close()
+
+
+def settled_stats(engine, timeout: float = 10.0):
+    """The engine's stats once no KV block is in use (or after ``timeout``): an engine in its own
+    process reports its stats with each step's outputs, a little after the fact."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while engine.stats().num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.stats()
 
 
 def wait_for_url(proc) -> str:

@@ -8,7 +8,9 @@ import time
 import httpx
 import pytest
 
-from conftest import serving
+from conftest import ENGINE_MODES, serving
+
+LIVE_MODES = ENGINE_MODES  # every live test against both engines
 
 COMPLETIONS = "/v1/completions"
 

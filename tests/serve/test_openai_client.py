@@ -3,6 +3,10 @@
 import openai
 import pytest
 
+from conftest import ENGINE_MODES
+
+LIVE_MODES = ENGINE_MODES  # every live test against both engines
+
 
 @pytest.fixture(scope="module")
 def client(live):
