@@ -8,9 +8,6 @@ import time
 import httpx
 
 from autodeploy.serve import serving_common
-from conftest import ENGINE_MODES
-
-LIVE_MODES = ENGINE_MODES  # every live test against both engines
 
 
 async def _stream_to_end(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str | None]:

@@ -8,9 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ENGINE_MODES, serving
-
-LIVE_MODES = ENGINE_MODES  # every live test against both engines
+from conftest import serving
 
 COMPLETIONS = "/v1/completions"
 

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import ENGINE_MODES
 
-LIVE_MODES = ENGINE_MODES  # every live test against both engines
+LIVE_MODES = ENGINE_MODES  # the representative subset that runs against both engines
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,6 @@ import json
 import httpx
 import pytest
 
-from conftest import ENGINE_MODES
-
-LIVE_MODES = ENGINE_MODES  # every live test against both engines
-
 SENTINEL = "zqxj-sentinel"  # must never come back in an error body
 
 
