@@ -80,3 +80,12 @@ def test_out_of_blocks_a_prefill_never_preempts_a_decode_already_in_the_step():
     in_step = {c.seq for c in schedule.chunks}
     assert not in_step & set(schedule.preempted)
     assert all(seq.block_ids for seq in in_step)
+
+
+def test_the_server_defaults_to_a_512_token_prefill_budget_and_0_turns_it_off():
+    from autodeploy.serve.startup import ServeSettings, engine_config
+
+    assert engine_config(ServeSettings()).max_num_prefill_tokens == 512
+    assert engine_config(ServeSettings(max_num_prefill_tokens=0)).max_num_prefill_tokens is None
+    assert Scheduler(BlockManager(8, 16), 4, 256, None).max_num_prefill_tokens == 256
+    assert Scheduler(BlockManager(8, 16), 4, 256, 1024).max_num_prefill_tokens == 256  # never above the step
