@@ -89,7 +89,7 @@ class StartupFailed(msgspec.Struct, tag=True, array_like=True):
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     outputs: list[WireOutput]
-    stats: EngineStats | None = None  # sent at most every ``STATS_INTERVAL`` seconds
+    stats: EngineStats | None = None  # the engine's stats after the step (for /metrics and /health)
 
 
 class Rejected(msgspec.Struct, tag=True, array_like=True):

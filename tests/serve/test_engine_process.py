@@ -16,7 +16,7 @@ import httpx
 from conftest import serving, settled_stats
 
 NUM_STREAMS = 256
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
 
 
