@@ -98,7 +98,7 @@ def table_rows(args, header) -> Iterator[TableRow]:
             runs, hook_rows = serve_all(args, plan, model_dir, options, out_dir / weights.name, cfg.vocab_size)
         steps = engine_steps(cfg, plan, context, weights.settings)
         for run in runs:
-            floor = streamed_bytes(cfg, run.concurrency or plan.top, context, weights.bytes_per_weight,
+            floor = streamed_bytes(cfg, run.concurrency or plan.top, run.context, weights.bytes_per_weight,
                                    weights.head_bytes_per_weight) / header.bandwidth
             yield serving_row(f"{args.serving_shape} {run.server} {run.name}", run.result, floor, weights.name,
                               run.compiles_after_ready)
@@ -152,7 +152,8 @@ class Loads:
                                            num_requests=num or self.plan.per_slot * concurrency,
                                            concurrency=concurrency, request_rate=rate, vocab_size=self.vocab,
                                            seed=self.seed, tokenizer=self.tokenizer if text else None))
-        run = Run(server, name, concurrency, result, compiles_after_ready(url) - before, text)
+        run = Run(server, name, concurrency, result, compiles_after_ready(url) - before, text,
+                  input_len + output_len // 2)
         print(f"{server} server, {name}:\n{result.summary()}", flush=True)
         return run
 
@@ -209,7 +210,8 @@ def guidellm_row(command: str, url: str, model_dir: str, out_dir: Path) -> Table
     try:
         figures = json.loads(last)
     except ValueError:
-        figures = {}
+        figures = None
+    figures = figures if isinstance(figures, dict) else {}
     note = (f"guidellm: exit {done.returncode}; " + ", ".join(f"{k} {v}" for k, v in figures.items())
             if figures else f"guidellm: exit {done.returncode}, no JSON summary line")
     return TableRow("serving", "guidellm against the history server", "guidellm", None,

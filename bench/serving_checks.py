@@ -29,6 +29,7 @@ class Run:
     result: object  # bench_serving.ServingResult
     compiles_after_ready: int = 0
     text_prompts: bool = False
+    context: int = 0  # the requests' mean context (input + output / 2): the decode floor's
 
 
 @dataclass
