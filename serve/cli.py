@@ -24,7 +24,8 @@ log = logging.getLogger("autodeploy.serve")
 
 SERVE_FLAGS: list[tuple[str, type]] = [
     ("host", str), ("port", int), ("served_model_name", str), ("tokenizer", str), ("chat_template", str),
-    ("api_key_file", str), ("drain_timeout", float),
+    ("api_key_file", str), ("drain_timeout", float), ("engine_process", str), ("max_num_prefill_tokens", int),
+    ("timeline", str),
 ]
 SWITCHES = ["metrics_without_key"]  # ServeSettings booleans that a bare flag turns on
 # other spellings of the same settings: vLLM's names and trtllm-serve's older ones
@@ -112,20 +113,27 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     from .server import build_app
     from .serving_common import ServerState
     from .shutdown import DrainingServer
-    from .startup import bind_socket, load_in_background, load_model
+    from .startup import bind_socket, load_in_background, load_model, uses_engine_process
+    from .timeline import open_timeline
 
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
     url = f"http://{settings.host}:{port}"
     state = ServerState(settings.served_model_name, settings.api_key, settings.api_key_file,
                         settings.metrics_without_key, settings.limits)
-    server = DrainingServer(uvicorn.Config(build_app(state), log_level=log_level), state, settings.drain_timeout)
+    timeline = open_timeline(settings.timeline, "api" if uses_engine_process(settings, compile_options) else "server")
+    app = build_app(state)
+    if timeline is not None:
+        app = timeline.wrap_asgi(app, lambda: state.engine.num_streams if state.engine is not None else 0)
+    server = DrainingServer(uvicorn.Config(app, log_level=log_level), state, settings.drain_timeout)
     failure: list[BaseException] = []
     closers: list = []
 
     def on_loaded(loaded) -> None:
         state.attach(loaded.engine, loaded.tokenizer, loaded.max_model_len)
         closers.append(loaded.close)
+        if timeline is not None:
+            timeline.mark_ready()
         print(loaded.report, flush=True)
 
     def on_error(exc: BaseException) -> None:
@@ -134,7 +142,8 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
         server.should_exit = True
 
     print(f"autodeploy: listening on {url} (503 until the model is loaded)", file=sys.stderr, flush=True)
-    load_in_background(lambda: load_model(model_dir, settings, compile_options, url), on_loaded, on_error)
+    load_in_background(lambda: load_model(model_dir, settings, compile_options, url, log_level, timeline),
+                       on_loaded, on_error)
     try:
         server.run(sockets=[sock])
     finally:
@@ -144,14 +153,19 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
             close()
         if state.preprocess is not None:
             state.preprocess.close()
+        if timeline is not None:
+            timeline.close()
     return 1 if failure else 0
 
 
 def add_bench_command(subparsers: Any) -> None:
     from .bench import add_offline_parser
     from .bench_serving import add_serving_parser
+    from .timeline_report import add_timeline_parser
 
-    p = subparsers.add_parser("bench", help="benchmarks: offline engine throughput/latency, or a serving client")
+    p = subparsers.add_parser("bench", help="benchmarks: offline engine throughput/latency, a serving client, a "
+                                             "server timeline's summary")
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     add_offline_parser(sub)
     add_serving_parser(sub)
+    add_timeline_parser(sub)

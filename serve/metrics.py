@@ -137,6 +137,12 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        compiles = CounterMetricFamily(PREFIX + "compiles_after_ready", "Triton compiles, torch.compile compiles, "
+                                       "CUDA-graph captures and GEMM timings after the server said ready (a request "
+                                       "waited for each)", labels=["model_name", "kind"])
+        for kind, count in stats.compiles_after_ready.items():
+            compiles.add_metric([self.model_name, kind], count)
+        yield compiles
 
 
 def _gauge(name: str, doc: str, model_name: str, value: float) -> GaugeMetricFamily:

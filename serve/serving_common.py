@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from autodeploy.sampling_params import SamplingParams
 
 from .async_engine import AsyncEngine, EngineDeadError, ServerShuttingDownError
-from .engine import context_length_message
+from .request_bounds import context_length_message
 from .errors import OpenAIError, bad_request, error_body
 from .guards import APIKeys
 from .limits import RequestLimits

@@ -14,13 +14,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .limits import RequestLimits
 
 log = logging.getLogger("autodeploy.serve")
+
+# A mixed step of the Llama-3.1-8B shape with 512 prompt tokens next to 64 decodes computes ~576 rows of
+# every GEMM: about twice the batch-64 decode step on an H100, inside the issue's ITL p99 bound of 3x.
+DEFAULT_PREFILL_TOKENS = 512
 
 
 class ServeSettings(BaseModel):
@@ -42,6 +46,19 @@ class ServeSettings(BaseModel):
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT, seconds to let requests in flight "
                                  "finish before they are ended with an error")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="request limits (each one a flag)")
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto", description="run the engine (scheduler, model, sampler) in a process of its own, apart from HTTP, "
+        "tokenization and detokenization, so the two do not share one GIL; auto: on for CUDA, off on the CPU")
+    max_num_prefill_tokens: int = Field(
+        DEFAULT_PREFILL_TOKENS, ge=0, description="most prompt tokens per engine step: long prompts are prefilled in "
+        "chunks of this many next to the decodes, which keeps the time between two tokens of every other stream "
+        "short; 0: prompts may take the whole --max_num_tokens budget")
+    warm_up: bool | None = Field(None, description="before saying ready, run requests through the engine that meet "
+                                 "every sampler path and GEMM row bucket (nothing compiles at request time); "
+                                 "default: on for CUDA")
+    timeline: str | None = Field(None, description="write a JSON-lines timeline of the server at work to this file "
+                                 "(engine steps, compiles, allocator, event-loop lag, SSE writes, GC); "
+                                 "'autodeploy bench timeline FILE' summarizes it (default: $AUTODEPLOY_TIMELINE)")
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -55,11 +72,20 @@ class ServeSettings(BaseModel):
 
 @dataclass(frozen=True)
 class LoadedModel:
-    engine: Any  # AsyncEngine
+    engine: Any  # an EngineFrontEnd: AsyncEngine (this process) or EngineClient (the engine's own process)
     tokenizer: Any
     max_model_len: int
     report: str
     close: Callable[[], None] = lambda: None  # after the engine stopped (tensor parallel: stops the workers)
+
+
+@dataclass
+class EngineParts:
+    """An engine ready to serve, built in the process that will run it, and its start-up report."""
+
+    engine: Any  # Engine
+    report: str
+    workers: Any = None  # TensorParallelWorkers, to attach once the engine runs and to stop at the end
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -72,13 +98,43 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str) -> LoadedModel:
-    """Compile (with progress bars), load the tokenizer, start the engine; returns the report."""
+def uses_engine_process(settings: ServeSettings, compile_options: dict[str, Any]) -> bool:
+    """``engine_process``: on, off, or (auto) on where the model runs on CUDA."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "on"
+    from autodeploy.compiler import resolve_device
+
+    return resolve_device(compile_options.get("device", "auto")).type == "cuda"
+
+
+def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str,
+               log_level: str = "warning", timeline=None) -> LoadedModel:
+    """Compile (with progress bars), load the tokenizer, start the engine (here, or in its own process);
+    ``timeline``: this process's (the engine process opens its own)."""
+    if uses_engine_process(settings, compile_options):
+        from .engine_client import start_engine_process
+
+        return start_engine_process(model_dir, settings, compile_options, url, log_level)
+    from .async_engine import AsyncEngine
+
+    parts = build_engine(model_dir, settings, compile_options, url)
+    async_engine = AsyncEngine(parts.engine, step=timeline.step_recorder(parts.engine) if timeline else None)
+    report = parts.report
+    if parts.workers is not None:
+        report = "\n".join([report, *parts.workers.attach(parts.engine.model, async_engine.fail)])
+    start_watching_compiles(parts.engine, timeline)
+    # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
+    return LoadedModel(async_engine, parts.engine.tokenizer, parts.engine.max_total_tokens, report,
+                       parts.workers.stop if parts.workers is not None else (lambda: None))
+
+
+def build_engine(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str) -> EngineParts:
+    """Compile, load the tokenizer, build the engine and (``warm_up``) run its start-up requests."""
     from autodeploy.compiler import compile as compile_model
 
-    from .async_engine import AsyncEngine
-    from .engine import Engine, EngineConfig
+    from .engine import Engine
     from .tokenizer import load_tokenizer
+    from .warmup import warm_up_engine
 
     options = dict(compile_options)
     options.setdefault("passes", {}).setdefault("load_weights", {}).setdefault("progress", True)
@@ -89,14 +145,27 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     # the resolved checkpoint (a .gguf input is converted into one), not the path the user gave
     tokenizer = load_tokenizer(settings.tokenizer or model.model_dir, settings.chat_template,
                                options.get("trust_remote_code", False))
-    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
-    async_engine = AsyncEngine(engine)
+    engine = Engine(model, tokenizer, engine_config(settings))
+    warmed = ""
+    if settings.warm_up if settings.warm_up is not None else model.device.type == "cuda":
+        warmed = warm_up_engine(engine).summary()
     report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
-    if workers is None:
-        # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
-        return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report)
-    report = "\n".join([report, *workers.attach(model, async_engine.fail)])
-    return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report, workers.stop)
+    return EngineParts(engine, report + (f"\nwarm-up      {warmed}" if warmed else ""), workers)
+
+
+def engine_config(settings: ServeSettings):
+    from .engine import EngineConfig
+
+    return EngineConfig(enable_prefix_caching=settings.enable_prefix_caching,
+                        max_num_prefill_tokens=settings.max_num_prefill_tokens or None)
+
+
+def start_watching_compiles(engine, timeline=None) -> None:
+    """The server is about to say ready: from now on every compile or capture is counted (and logged)."""
+    from .compile_watch import CompileWatch
+
+    engine.compile_watch = CompileWatch(engine.model, on_event=timeline.compile_event if timeline else None)
+    engine.compile_watch.start()
 
 
 def _start_workers(model_dir: str, compile_options: dict[str, Any]):
@@ -120,7 +189,8 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"compile      {seconds:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()),
         f"KV cache     {cap.num_blocks} blocks x {cap.block_size} tokens = {cap.num_tokens} tokens, "
         f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len}",
-        f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step; "
+        f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
+        f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
         f"CUDA graphs  {cuda_graph_line(graphs)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",

@@ -43,7 +43,7 @@ def test_online_fp8_over_http(tiny_dir, tokenizer):
 
     compiled = autodeploy.compile(tiny_dir, quantization="fp8", **COMPILE_OPTIONS)
     offline = autodeploy.LLM(compiled, tokenizer).generate("The quick brown fox", GREEDY)[0].outputs[0].text
-    state = make_state(compiled, tokenizer)
+    state = make_state(compiled, tokenizer, engine_process=False)  # the report reads the engine
     server = LiveServer(build_app(state))
     try:
         body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
