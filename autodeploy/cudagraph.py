@@ -99,8 +99,9 @@ class CudaStepGraph:
         self.outputs = None
 
     def capture(self, module: fx.GraphModule, args: tuple, what: str, switch: str):
-        """Warm up (lazy initialisation, BLAS choices: outside the capture), capture, return the
-        outputs (owned by the caller until it drops them)."""
+        """Warm up (lazy initialisation, BLAS choices: outside the capture), capture, replay once (the
+        outputs hold values, as a direct call's would), return the outputs (owned by the caller until
+        it drops them)."""
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             module(*args)
@@ -112,8 +113,9 @@ class CudaStepGraph:
                     self.graph.capture_end()
                 raise
             self.graph.capture_end()
+            self.graph.replay()
         torch.cuda.current_stream().wait_stream(self.stream)
-        self.outputs = _weak(outputs) if self.weak_outputs else outputs
+        self.outputs = weak(outputs) if self.weak_outputs else outputs
         _announce(what)
         return outputs
 
@@ -150,7 +152,7 @@ def _write_into(static, fresh) -> None:
         raise RuntimeError(f"a replayed graph computed {fresh} where its capture computed {static}")
 
 
-def _weak(value):
+def weak(value):
     """``value`` with every tensor replaced by a view of its memory that does not keep it allocated."""
     if isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
@@ -158,7 +160,7 @@ def _weak(value):
         return torch.empty(0, dtype=value.dtype, device=value.device).set_(
             alias, value.storage_offset(), value.size(), value.stride())
     if isinstance(value, (tuple, list)):
-        return type(value)(_weak(v) for v in value)
+        return type(value)(weak(v) for v in value)
     return value
 
 

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .cudagraph import CudaStepGraph, DirectStepGraph
+from .cudagraph import CudaStepGraph, DirectStepGraph, weak
 from .graph.split import SplitGraph, split_at_eager_ops
 from .kvcache.metadata import BatchMetadata, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVPool
@@ -88,11 +88,12 @@ class _Slots:
 
 
 class _Entry:
-    """One bucket's graph of a piece and the inputs it was captured with."""
+    """One bucket's graph of a piece and the inputs it was captured with (their memory, not kept
+    allocated here: an earlier piece's output returns to the pool once the capture is done with it)."""
 
     def __init__(self, graph, args: tuple):
         self.graph = graph
-        self.tensors = tuple((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.tensors = tuple((i, weak(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self.values = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
 
     def replay(self, args: tuple, name: str):
