@@ -67,7 +67,7 @@ class CaptureError(AutoDeployError):
         where = f" in {layers[0]}" if layers else f" reading {', '.join(weights)}" if weights else ""
         super().__init__(
             f"{node.target} (node {node.name}{where}) cannot be captured in a CUDA graph while capturing {what}: "
-            f"{type(cause).__name__}: {cause}; compile with --set passes.compile_cuda_graphs.{switch}=[] to run "
+            f"{type(cause).__name__}: {cause}; compile with --set passes.compile_cuda_graphs.{switch} to run "
             "these steps eagerly")
 
 
@@ -213,7 +213,7 @@ class CudaGraphRunner:
             for size in sizes:
                 buffers, pad, inputs = statics[size]
                 graph = CudaStepGraph(memory_pool, stream, weak_outputs=False)
-                output = graph.capture(self.gm, inputs, f"the decode step of {size} sequences", "batch_sizes")
+                output = graph.capture(self.gm, inputs, f"the decode step of {size} sequences", "batch_sizes=[]")
                 self.graphs[size] = _Captured(graph, buffers, pad, output)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start

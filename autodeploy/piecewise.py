@@ -131,11 +131,11 @@ class _Piece(torch.nn.Module):
         what = f"piece {self.name} at {self.state.bucket} tokens"
         static = self._held(args, shared=True)
         graph = self.state.new_graph()
-        outputs = graph.capture(self.module, static, what, "piecewise_sizes")
+        outputs = graph.capture(self.module, static, what, "piecewise=false")
         if self._escapes(outputs, static):  # an output views a shared slot, which the next piece overwrites
             static = self._held(args, shared=False)
             graph = self.state.new_graph()
-            outputs = graph.capture(self.module, static, what, "piecewise_sizes")
+            outputs = graph.capture(self.module, static, what, "piecewise=false")
         self.entries[self.state.bucket] = _Entry(graph, static)
         return outputs
 

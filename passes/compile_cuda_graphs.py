@@ -1,5 +1,6 @@
-"""compile_cuda_graphs: capture decode steps whole (``autodeploy.cudagraph``) and the pieces of every
-other step between its eager attention calls (``autodeploy.piecewise``), in one memory pool.
+"""compile_cuda_graphs: capture decode steps whole (``autodeploy.cudagraph``) and, with ``piecewise``
+(off by default), the pieces of every other step between its eager attention calls
+(``autodeploy.piecewise``), in one memory pool. The pass table's detail says what was captured.
 
 Decode graphs are skipped, with the reason in the pass table, with attention backends that
 synchronize with the host (the torch reference backend) and with ops that do (MoE's reference
@@ -24,10 +25,13 @@ from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResul
 class CudaGraphConfig(PassConfig):
     # decode steps, one graph per batch size (default: default_batch_sizes(max_batch_size)); []: none
     batch_sizes: list[int] | None = None
-    # other steps of at most the largest bucket, padded to a token bucket: the pieces between attention
-    # calls captured per bucket (default: default_piecewise_sizes(max_num_tokens)); []: those run eagerly
+    # other steps (prefills, mixed prefill + decode) of at most the largest token bucket: padded to their
+    # bucket, the pieces between attention calls replay graphs captured per bucket. Off by default until
+    # bench/mixed_steps.py has checked and timed it on a GPU; off, those steps run eagerly
+    piecewise: bool = False
+    # the token buckets (default: default_piecewise_sizes(max_num_tokens)); []: none, as piecewise=false
     piecewise_sizes: list[int] | None = None
-    # tests: the piecewise path on the CPU, each piece called where its graph would replay
+    # tests: the piecewise path on the CPU (with piecewise), each piece called where its graph would replay
     piecewise_on_cpu: bool = False
 
 
@@ -70,6 +74,8 @@ class CompileCudaGraphs(Pass):
     def _piecewise(self, ctx: CompileContext, memory_pool) -> tuple[PiecewiseRunner | None, str]:
         from autodeploy.kernels.precompile import threads_for
 
+        if not self.config.piecewise:
+            return None, "piecewise graphs: off (--set passes.compile_cuda_graphs.piecewise=true captures mixed steps)"
         if "state_is_kv_only" not in ctx.properties:
             return None, "piecewise graphs skipped: check_uncached_state did not prove padding rows stay apart"
         max_tokens = ctx.config.max_num_tokens

@@ -22,7 +22,7 @@ from autodeploy.piecewise import PiecewiseRunner, default_piecewise_sizes
 from autodeploy.tiny import make_tiny_checkpoint
 
 SIZES = [4, 16, 32]
-PIECEWISE = {"compile_cuda_graphs": {"piecewise_on_cpu": True, "piecewise_sizes": SIZES}}
+PIECEWISE = {"compile_cuda_graphs": {"piecewise": True, "piecewise_on_cpu": True, "piecewise_sizes": SIZES}}
 CPU = dict(device="cpu", dtype="float32", max_seq_len=64, max_batch_size=8, max_num_tokens=64)
 QUANT_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "quant" / "llama_ct_fp8_dynamic"
 
@@ -158,6 +158,29 @@ def test_a_follower_rank_replays_from_its_own_buffers(compiled):
     assert torch.equal(model.forward(received), want)
 
 
+def test_the_start_up_report_says_what_was_captured(compiled):
+    table = compiled("llama").report.pass_table()
+    assert "piecewise: 3 pieces x 3 token buckets (4-32), 3 eager parts between them, 9 captures in" in table
+
+
+def test_a_step_beyond_the_largest_bucket_runs_the_graph_eagerly(compiled):
+    model = compiled("llama")
+    chunks = [SequenceChunk(tuple(range(3, 33)), 0, (3, 4)), SequenceChunk((7, 8, 9), 5, (5,))]  # 33 tokens
+    assert model.piecewise.padding(chunks) is None
+    batch = model.prepare(chunks)
+    assert batch.num_tokens == 33 and not model.piecewise.takes(batch)
+    caches = [c.clone() for c in model.pool.caches]
+    for piece in model.piecewise.split.captured:  # any replay would fail the test
+        getattr(model.piecewise.split.outer, piece).entries.clear()
+    try:
+        logits = model(chunks).clone()
+    finally:
+        model.piecewise.capture()
+    for cache, saved in zip(model.pool.caches, caches):
+        cache.copy_(saved)
+    assert torch.equal(logits, _eager(model, batch))
+
+
 def test_captures_happen_at_compile_time_only(compiled):
     model = compiled("llama")
     assert len(model.captures_at_compile) == model.piecewise.num_captures == 3 * len(SIZES)
@@ -183,7 +206,7 @@ def test_a_capture_failure_names_the_op_and_its_layer(compiled):
         runner.capture()
     message = str(err.value)
     assert "refuses_capture" in message and "reading model_layers_0_mlp_down_proj_weight" in message
-    assert "piece submod_2 at 4 tokens" in message and "piecewise_sizes=[]" in message
+    assert "piece submod_2 at 4 tokens" in message and "--set passes.compile_cuda_graphs.piecewise=false" in message
 
 
 def test_a_step_output_made_by_a_piece_is_copied_out_of_the_pool(compiled):
@@ -216,18 +239,22 @@ def _apply_pass(model, properties=("state_is_kv_only",), **config):
     ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config, config=model.config, device=model.device,
                          dtype=model.report.dtype, properties=set(properties),
                          artifacts={"kv_pool": model.pool, "kv_capacity": model.capacity, "attention_backend": "torch"})
-    result = CompileCudaGraphs(CudaGraphConfig(piecewise_on_cpu=True, **config)).apply(ctx)
+    result = CompileCudaGraphs(CudaGraphConfig(**{"piecewise": True, "piecewise_on_cpu": True} | config)).apply(ctx)
     return ctx.artifacts.get("piecewise_graphs"), result.detail
 
 
-def test_piecewise_sizes_are_set_by_config_and_off_by_an_empty_list(compiled):
+def test_piecewise_is_a_switch_off_by_default_and_its_sizes_are_set_by_config(compiled):
     from autodeploy.config import parse_set_option
 
     model = compiled("llama")
+    runner, detail = _apply_pass(model, piecewise=False)
+    assert runner is None and "piecewise graphs: off (--set passes.compile_cuda_graphs.piecewise=true" in detail
+    assert autodeploy.compile(model.path, **CPU).piecewise is None  # the default
     key, value = parse_set_option("passes.compile_cuda_graphs.piecewise_sizes=[8, 100]")
     assert key == "passes.compile_cuda_graphs.piecewise_sizes" and value == [8, 100]
-    runner, _ = _apply_pass(model, piecewise_sizes=value)
+    runner, detail = _apply_pass(model, piecewise_sizes=value)
     assert runner.sizes == [8, 64]  # at most max_num_tokens
+    assert "piecewise: 3 pieces x 2 token buckets (8-64), 3 eager parts between them, 6 captures in" in detail
     runner, detail = _apply_pass(model, piecewise_sizes=[])
     assert runner is None and "piecewise graphs: none asked for" in detail
     runner, detail = _apply_pass(model, properties=())
