@@ -254,6 +254,10 @@ def run(args) -> list[Row]:
     for kind in kinds:
         rows += measure(model, kind, timer)
     print_table(rows)
+    worst = max(r.difference for r in rows if r.difference is not None)
+    print(f"piecewise vs the eager graph on the same padded steps: largest logit difference {worst:.2g}", flush=True)
+    if worst > args.tolerance:
+        raise SystemExit(f"piecewise steps differ from eager ones by {worst:.2g} > --tolerance {args.tolerance}")
     return rows
 
 
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--steps", type=int, default=10, help="timed runs per step kind and path")
     parser.add_argument("--sizes", default="", help="piecewise token buckets, e.g. 128,512,2048 (default: the "
                         "default ladder on CUDA, 4,16,32 on the CPU)")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="largest logit difference accepted "
+                        "between a piecewise step and the eager graph on the same padded step (exit 1 beyond)")
     args = parser.parse_args(argv)
     with torch.inference_mode():
         return run(args)
