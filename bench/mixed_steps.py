@@ -111,7 +111,8 @@ def compile_model(args, kinds):
     config = CompileConfig(weights="random", device=args.device, dtype="bfloat16" if cuda else "float32",
                            max_batch_size=max(k.num_seqs for k in kinds), max_seq_len=longest,
                            max_num_tokens=max(k.num_tokens for k in kinds), tokens_per_block=16,
-                           num_kv_blocks=blocks_needed(kinds, 16), passes={"compile_cuda_graphs": graphs})
+                           num_kv_blocks=blocks_needed(kinds, 16), attention_backend=args.attention_backend,
+                           passes={"compile_cuda_graphs": graphs})
     start = time.perf_counter()
     model = compile_config(cfg, config)
     seconds = time.perf_counter() - start
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--steps", type=int, default=10, help="timed runs per step kind and path")
     parser.add_argument("--sizes", default="", help="piecewise token buckets, e.g. 128,512,2048 (default: the "
                         "default ladder on CUDA, 4,16,32 on the CPU)")
+    parser.add_argument("--attention_backend", default="auto", help="auto (triton on CUDA, torch on the CPU), torch, "
+                        "triton (on the CPU: TRITON_INTERPRET=1), flashinfer")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest logit difference accepted "
                         "between a piecewise step and the eager graph on the same padded step (exit 1 beyond)")
     args = parser.parse_args(argv)
