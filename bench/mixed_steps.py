@@ -232,13 +232,14 @@ def measure(model, kind: StepKind, timer: Timer) -> list[Row]:
     return rows
 
 
-def print_table(rows: list[Row]) -> None:
-    print(f"{'step kind':<36}{'tokens':>7}{'bucket':>7}  {'path':<13}{'host ms':>8}{'device ms':>10}{'step ms':>9}  Δ eager")
-    for r in rows:
-        device = f"{r.device_ms:10.2f}" if r.device_ms is not None else f"{'-':>10}"
-        bucket = r.bucket if r.bucket is not None else "eager"
-        print(f"{r.kind:<36}{r.tokens:>7}{bucket:>7}  {r.path:<13}{r.host_ms:8.2f}{device}{r.step_ms:9.2f}  {r.check()}",
-              flush=True)
+HEADER = f"{'step kind':<36}{'tokens':>7}{'bucket':>7}  {'path':<13}{'host ms':>8}{'device ms':>10}{'step ms':>9}  Δ eager"
+
+
+def print_row(r: Row) -> None:
+    device = f"{r.device_ms:10.2f}" if r.device_ms is not None else f"{'-':>10}"
+    bucket = r.bucket if r.bucket is not None else "eager"
+    print(f"{r.kind:<36}{r.tokens:>7}{bucket:>7}  {r.path:<13}{r.host_ms:8.2f}{device}{r.step_ms:9.2f}  {r.check()}",
+          flush=True)
 
 
 def capture_line(model) -> str:
@@ -251,10 +252,13 @@ def run(args) -> list[Row]:
     print(f"{args.shape} on {model.device}, compiled in {seconds:.1f} s; compile_cuda_graphs: {capture_line(model)}",
           flush=True)
     timer = Timer(model.device, args.steps)
+    print(HEADER, flush=True)
     rows = []
-    for kind in kinds:
-        rows += measure(model, kind, timer)
-    print_table(rows)
+    for kind in kinds:  # each kind's rows as they come (a run cut short keeps them)
+        kind_rows = measure(model, kind, timer)
+        for row in kind_rows:
+            print_row(row)
+        rows += kind_rows
     worst = max(r.difference for r in rows if r.difference is not None)
     print(f"piecewise vs the eager graph on the same padded steps: largest logit difference {worst:.2g}", flush=True)
     if worst > args.tolerance:
