@@ -164,6 +164,14 @@ def test_the_start_up_report_says_what_was_captured(compiled):
     assert "piecewise: 3 pieces x 3 token buckets (4-32), 3 eager parts between them, 9 captures in" in table
 
 
+def test_the_servers_start_up_report_names_the_piecewise_graphs(compiled):
+    from autodeploy.serve.startup import cuda_graph_line
+
+    line = cuda_graph_line(None, compiled("llama").piecewise)
+    assert line.startswith("none (not on CUDA")
+    assert "; piecewise: 3 pieces x 3 token buckets (4-32), 3 eager parts between them (captured in " in line
+
+
 def test_a_step_beyond_the_largest_bucket_runs_the_graph_eagerly(compiled):
     model = compiled("llama")
     chunks = [SequenceChunk(tuple(range(3, 33)), 0, (3, 4)), SequenceChunk((7, 8, 9), 5, (5,))]  # 33 tokens
