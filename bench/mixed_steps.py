@@ -5,18 +5,19 @@ against the piecewise CUDA graphs (``autodeploy.piecewise``), decode steps again
     python bench/mixed_steps.py --shape tiny --device cpu        # the same code on the CPU (tests)
 
 One model (random weights, decode graphs at batch 64, piecewise graphs at the default token buckets or
-``--sizes``) runs every step kind three ways, through ``CompiledModel.__call__`` as the engine does (the
-metadata build and copy included): ``eager`` (no graphs), ``piecewise`` (decode graphs off) and, for a
-decode step, ``decode graph``. Columns, medians of ``--steps`` runs:
+``--sizes``) runs every step kind through ``CompiledModel.__call__`` as the engine does (the metadata
+build and copy included): ``eager`` (no graphs), ``piecewise`` (decode graphs off) and, for a decode
+step, ``decode graph``. Columns, medians of ``--steps`` runs:
 
 - ``host ms``: the host's time to issue the step, with the GPU held busy by a sleep kernel queued first,
   so that no launch waits for the device (the host's own cost: Python, dispatch, launches);
 - ``device ms``: the device's time for the step so issued (all of it queued behind the sleep: the kernels
-  back to back, no launch gaps);
+  back to back, no launch gaps; while a step issues fewer launches than the driver queues, ~1000);
 - ``step ms``: a step as the engine sees it (synchronised, the sampled ids read back): about the larger
   of the two when the host cannot run ahead;
 - ``Δ eager``: the largest logit difference from the eager graph on the same padded step (0: the same
-  kernels on the same shapes), and how many greedy tokens match the eager unpadded step.
+  kernels on the same shapes; beyond ``--tolerance`` the script exits 1 after the table), and how many
+  greedy tokens match the eager unpadded step's.
 
 On the CPU the device columns are empty (the host computes).
 """
