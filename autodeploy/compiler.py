@@ -102,7 +102,7 @@ def compile_config(
     model_dir = checkpoint.path if checkpoint else None
     return CompiledModel(
         ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
-        cuda_graphs=ctx.artifacts.get("cuda_graphs"),
+        cuda_graphs=ctx.artifacts.get("cuda_graphs"), piecewise=ctx.artifacts.get("piecewise_graphs"),
     )
 
 

@@ -181,7 +181,6 @@ def _start_workers(model_dir: str, compile_options: dict[str, Any]):
 def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
     report = model.report
     cap = model.capacity
-    graphs = model.cuda_graphs
     lines = [
         f"model        {model.model_dir} ({report.architecture}, {report.model_type})",
         f"dtype        {report.dtype} on {report.device}",
@@ -192,17 +191,23 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
         f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
-        f"CUDA graphs  {cuda_graph_line(graphs)}",
+        f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
         f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
 
 
-def cuda_graph_line(graphs) -> str:
+def cuda_graph_line(graphs, piecewise=None) -> str:
+    """The decode graphs, and the piecewise graphs of the other steps when there are any."""
     if graphs is None:
-        return "none (not on CUDA, or an attention backend that cannot be captured)"
-    return f"decode batch sizes {', '.join(map(str, graphs.batch_sizes))} (captured in {graphs.capture_seconds:.1f} s)"
+        line = "none (not on CUDA, or an attention backend that cannot be captured)"
+    else:
+        line = f"decode batch sizes {', '.join(map(str, graphs.batch_sizes))} (captured in {graphs.capture_seconds:.1f} s)"
+    if piecewise is None:
+        return line
+    memory = f", {piecewise.memory_bytes / 2**20:.0f} MiB" if piecewise.memory_bytes else ""
+    return f"{line}; piecewise: {piecewise.describe()} (captured in {piecewise.capture_seconds:.1f} s{memory})"
 
 
 @contextlib.contextmanager
