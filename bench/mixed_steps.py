@@ -251,6 +251,7 @@ def capture_line(model) -> str:
 
 
 def run(args) -> list[Row]:
+    started = time.perf_counter()
     kinds = CPU_KINDS if args.shape == "tiny" else GPU_KINDS
     model, seconds = compile_model(args, kinds)
     print(f"{args.shape} on {model.device}, compiled in {seconds:.1f} s; compile_cuda_graphs: {capture_line(model)}",
@@ -264,7 +265,8 @@ def run(args) -> list[Row]:
             print_row(row)
         rows += kind_rows
     worst = max(r.difference for r in rows if r.difference is not None)
-    print(f"piecewise vs the eager graph on the same padded steps: largest logit difference {worst:.2g}", flush=True)
+    print(f"piecewise vs the eager graph on the same padded steps: largest logit difference {worst:.2g} "
+          f"({time.perf_counter() - started:.0f} s in all)", flush=True)
     if worst > args.tolerance:
         raise SystemExit(f"piecewise steps differ from eager ones by {worst:.2g} > --tolerance {args.tolerance}")
     return rows
