@@ -203,7 +203,8 @@ def cuda_graph_line(graphs, piecewise=None) -> str:
     if graphs is None:
         line = "none (not on CUDA, or an attention backend that cannot be captured)"
     else:
-        line = f"decode batch sizes {', '.join(map(str, graphs.batch_sizes))} (captured in {graphs.capture_seconds:.1f} s)"
+        sizes = ", ".join(map(str, graphs.batch_sizes))
+        line = f"decode batch sizes {sizes} (captured in {graphs.capture_seconds:.1f} s)"
     if piecewise is None:
         return line
     memory = f", {piecewise.memory_bytes / 2**20:.0f} MiB" if piecewise.memory_bytes else ""
