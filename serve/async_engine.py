@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import SamplingParams, StructuredOutput
 
 from .engine import Engine, EngineStats
 from .outputs import RequestOutput
@@ -82,6 +82,10 @@ class AsyncEngine:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` if the request can never be served (reads only fixed settings)."""
         self.engine.check_request(prompt_token_ids, params)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a request's grammar into the engine's cache (blocking: call it from a worker thread)."""
+        self.engine.compile_grammar(spec)
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None

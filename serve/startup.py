@@ -19,6 +19,9 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .limits import RequestLimits
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
+from .tools import ToolSettings
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -42,11 +45,35 @@ class ServeSettings(BaseModel):
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT, seconds to let requests in flight "
                                  "finish before they are ended with an error")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="request limits (each one a flag)")
+    enable_auto_tool_choice: bool = Field(False, description="let the model decide when to call tools (tool_choice "
+                                          "\"auto\", the default with tools); needs --tool-call-parser")
+    tool_call_parser: str | None = Field(None, description="how tool calls are read out of the model's output: "
+                                         + ", ".join(TOOL_PARSERS))
+    reasoning_parser: str | None = Field(None, description="return <think>...</think> as reasoning_content: "
+                                         + ", ".join(REASONING_PARSERS))
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _one_or_more_keys(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value):
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser '{value}'; choose one of {', '.join(TOOL_PARSERS)}")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value):
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser '{value}'; choose one of {', '.join(REASONING_PARSERS)}")
+        return value
+
+    @property
+    def tool_settings(self) -> ToolSettings:
+        return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser)
 
     @property
     def requires_key(self) -> bool:
@@ -89,7 +116,8 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     # the resolved checkpoint (a .gguf input is converted into one), not the path the user gave
     tokenizer = load_tokenizer(settings.tokenizer or model.model_dir, settings.chat_template,
                                options.get("trust_remote_code", False))
-    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
+    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching,
+                                                   grammar_compile_timeout=settings.limits.grammar_compile_timeout))
     async_engine = AsyncEngine(engine)
     report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
     if workers is None:
