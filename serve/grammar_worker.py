@@ -33,7 +33,10 @@ def compile_with(compiler: Any, kind: str, spec: str) -> Any:
     """xgrammar's ``CompiledGrammar`` of one structured-output spec; ``GrammarError`` with xgrammar's reason."""
     try:
         if kind == "json":
-            return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+            import xgrammar
+
+            grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
+            return compiler.compile_grammar(_without_raw_control_characters(str(grammar)))
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
@@ -47,6 +50,17 @@ def compile_with(compiler: Any, kind: str, spec: str) -> Any:
     except Exception as exc:  # noqa: BLE001 (xgrammar raises RuntimeError/ValueError with the reason)
         raise GrammarError(f"cannot compile the {kind} grammar: {_reason(exc)}") from None
     raise GrammarError(f"unknown structured output kind '{kind}'")
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string (minLength/maxLength) as this class, which
+# lets raw control characters (a tab, U+001E...) into the string: not JSON (json.loads refuses it). Its
+# unbounded strings exclude them; the same exclusion is written into the bounded ones.
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def _without_raw_control_characters(ebnf: str) -> str:
+    return ebnf.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def choice_grammar(spec: str) -> str:

@@ -1,0 +1,136 @@
+"""Tool calls and reasoning through the openai client against a live server of the tiny model.
+
+``required`` and named choices are forced by the grammar, so any model produces valid calls. For ``auto``
+the tiny random model would never write a call on its own: its output is forced with a grammar into the
+Hermes format, so the whole path (engine, parser, response, streaming deltas) runs as with a real model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import openai
+import pytest
+
+from autodeploy.serve.tools import ToolSettings
+
+from conftest import serving
+
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                       "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                      "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER_PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+             "required": ["zone"], "additionalProperties": False}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# what a Hermes-format model writes when it calls a tool, forced here (the tiny model is random)
+HERMES_CALL = ('<think>hm</think>Checking.<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+               '{\\"zone\\": \\"CET\\"}}\\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def client(compiled, tokenizer):
+    with serving(compiled, tokenizer, tools=ToolSettings(True, "hermes"), reasoning_parser="deepseek_r1") as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def plain_client(compiled, tokenizer):
+    with serving(compiled, tokenizer) as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def _create(client, stream: bool, **kwargs):
+    """A chat completion's first choice as (message fields, finish_reason), streamed or whole; a streamed one
+    is rebuilt as the OpenAI client rebuilds it, checking the delta order on the way."""
+    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0) | kwargs
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return (choice.message.content, calls, getattr(choice.message, "reasoning_content", None)), choice.finish_reason
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.name
+                calls[call.index] = [call.id, call.function.name, call.function.arguments or ""]
+            else:
+                assert call.index in calls and call.function.name is None  # the name came first
+                calls[call.index][2] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return (content or None, [tuple(c) for _, c in sorted(calls.items())], reasoning or None), finish
+
+
+def _valid(calls) -> bool:
+    return all(jsonschema_rs.is_valid(SCHEMAS[name], json.loads(arguments)) for _, name, arguments in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_choice_makes_valid_calls(client, stream):
+    (content, calls, _), finish = _create(client, stream, tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and content is None
+    assert len(calls) == 1 and calls[0][1] in SCHEMAS and calls[0][0].startswith("call_") and _valid(calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_choice_calls_that_function(client, stream):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    (content, calls, _), finish = _create(client, stream, tool_choice=choice)
+    assert finish == "stop" and content is None
+    assert [name for _, name, _ in calls] == ["get_weather"] and _valid(calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_choice_reads_the_models_calls(client, stream):
+    (content, calls, reasoning), finish = _create(client, stream, extra_body={"guided_grammar": f'root ::= "{HERMES_CALL}"'})
+    assert (content, reasoning, finish) == ("Checking.", "hm", "tool_calls")
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_choice_without_calls_is_content(client, stream):
+    (content, calls, reasoning), finish = _create(
+        client, stream, extra_body={"guided_grammar": 'root ::= "<think>x</think>Sunny, 20 C."'})
+    assert (content, calls, reasoning, finish) == ("Sunny, 20 C.", [], "x", "stop")
+
+
+def test_a_tool_round_trip(client):
+    """The call and its result go back in the history (assistant tool_calls, a tool message) and the model answers."""
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    reply = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens  # the tool's answer reached the prompt
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+    assert reply.choices[0].message.content is not None and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope', which is not among the tools"),
+    (dict(tools=None, tool_choice="required"), "tool_choice needs tools"),
+    (dict(tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
+    (dict(messages=MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                                      "function": {"name": "f", "arguments": "{x"}}]}],
+          tool_choice="none"), "arguments of 'f' are not valid JSON"),
+])
+def test_bad_tool_requests_are_400(client, kwargs, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(**(dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=4) | kwargs))
+
+
+def test_auto_needs_the_servers_flags(plain_client):
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice and --tool-call-parser"):
+        plain_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    reply = plain_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                 parallel_tool_calls=False, max_tokens=120, temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls"  # forced choices need no flag
