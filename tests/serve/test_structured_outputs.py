@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema_rs
@@ -235,3 +236,16 @@ def test_grammar_errors_are_400_with_the_reason(server, extra, message):
     response = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **extra})
     assert response.status_code == 400, response.text
     assert message in response.text
+
+
+def test_the_overhead_bench_runs_at_tiny_size(compiled, tokenizer, monkeypatch):
+    """bench/structured_bench.py (the GPU's batch-64 overhead table) at tiny size: 64 sequences decode under the
+    grammar in every timed step, and the rows say what it costs."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import structured_bench
+
+    timings = structured_bench.overhead(compiled, tokenizer, batch=64, context=4, steps=2, warmup=1)
+    free, constrained = structured_bench.rows("tiny batch 64", 64, timings)
+    assert (free.impl, constrained.impl) == ("autodeploy engine free", "autodeploy engine json_schema")
+    assert constrained.metrics["overhead_ms_per_step"] == pytest.approx(timings["json_schema"]["ms"] - timings["free"]["ms"])
+    assert "us/token over free" in constrained.note and free.tokens_per_s > 0
