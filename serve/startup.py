@@ -57,18 +57,12 @@ class ServeSettings(BaseModel):
     def _one_or_more_keys(cls, value):
         return [value] if isinstance(value, str) else value
 
-    @field_validator("tool_call_parser")
+    @field_validator("tool_call_parser", "reasoning_parser")
     @classmethod
-    def _known_tool_parser(cls, value):
-        if value is not None and value not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool call parser '{value}'; choose one of {', '.join(TOOL_PARSERS)}")
-        return value
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _known_reasoning_parser(cls, value):
-        if value is not None and value not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser '{value}'; choose one of {', '.join(REASONING_PARSERS)}")
+    def _known_parser(cls, value, info):
+        known = TOOL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if value is not None and value not in known:
+            raise ValueError(f"unknown {info.field_name.replace('_', ' ')} '{value}'; choose one of {', '.join(known)}")
         return value
 
     @property

@@ -22,26 +22,8 @@ import time
 
 import torch
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["get_weather", "search", "book_flight"]},
-        "arguments": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                "units": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-                "exact": {"type": "boolean"},
-            },
-            "required": ["city", "days", "units", "tags", "exact"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "arguments"],
-    "additionalProperties": False,
-}
+from structured_bench import CALL as SCHEMA  # the structured section times the same schema in the engine
+
 CITIES = ["Paris", "San Francisco", "Tokyo", "Reykjavik", "Buenos Aires", "Cape Town", "Oslo", "Lima"]
 WORDS = ["rain", "wind", "sun", "snow", "fog", "storm", "heat"]
 

@@ -150,6 +150,30 @@ def live(compiled, tokenizer):
     state.preprocess.close()
 
 
+def chat_reply(client, stream: bool, **args):
+    """A chat completion's first choice through the openai client, whole or streamed, as
+    ``((content, [(id, name, arguments)], reasoning_content), finish_reason)``; a streamed one is rebuilt
+    as the client's users rebuild it, checking the order of the tool-call deltas (id, type, name first)."""
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return (choice.message.content, calls, getattr(choice.message, "reasoning_content", None)), choice.finish_reason
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.name
+                calls[call.index] = [call.id, call.function.name, call.function.arguments or ""]
+            else:
+                assert call.index in calls and call.function.name is None  # the name came first
+                calls[call.index][2] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return (content or None, [tuple(c) for _, c in sorted(calls.items())], reasoning or None), finish
+
+
 def wait_for_url(proc) -> str:
     """The URL an ``autodeploy serve`` subprocess says it listens on (read from its stderr)."""
     import re

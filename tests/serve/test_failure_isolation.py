@@ -20,10 +20,10 @@ def _poison_sampler(monkeypatch, engine: Engine) -> None:
     sampler = engine.runner.sampler
     sample = sampler.sample
 
-    def poisoned(logits, seqs):
+    def poisoned(logits, seqs, *rest):
         if any(s.params.seed == POISON_SEED for s in seqs):
             raise OverflowError("Overflow when unpacking long long")
-        return sample(logits, seqs)
+        return sample(logits, seqs, *rest)
 
     monkeypatch.setattr(sampler, "sample", poisoned)
 

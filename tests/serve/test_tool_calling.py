@@ -15,7 +15,7 @@ import pytest
 
 from autodeploy.serve.tools import ToolSettings
 
-from conftest import serving
+from conftest import chat_reply, serving
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -45,27 +45,8 @@ def plain_client(compiled, tokenizer):
 
 
 def _create(client, stream: bool, **kwargs):
-    """A chat completion's first choice as (message fields, finish_reason), streamed or whole; a streamed one
-    is rebuilt as the OpenAI client rebuilds it, checking the delta order on the way."""
-    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0) | kwargs
-    if not stream:
-        choice = client.chat.completions.create(**args).choices[0]
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return (choice.message.content, calls, getattr(choice.message, "reasoning_content", None)), choice.finish_reason
-    content, reasoning, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **args):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        reasoning += getattr(delta, "reasoning_content", None) or ""
-        for call in delta.tool_calls or []:
-            if call.id is not None:
-                assert call.index not in calls and call.type == "function" and call.function.name
-                calls[call.index] = [call.id, call.function.name, call.function.arguments or ""]
-            else:
-                assert call.index in calls and call.function.name is None  # the name came first
-                calls[call.index][2] += call.function.arguments
-        finish = chunk.choices[0].finish_reason or finish
-    return (content or None, [tuple(c) for _, c in sorted(calls.items())], reasoning or None), finish
+    return chat_reply(client, stream, **(dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                              temperature=0) | kwargs))
 
 
 def _valid(calls) -> bool:
@@ -101,6 +82,26 @@ def test_auto_choice_without_calls_is_content(client, stream):
     assert (content, calls, reasoning, finish) == ("Sunny, 20 C.", [], "x", "stop")
 
 
+def test_required_calls_of_n_choices_streamed_and_whole(client):
+    """``n`` = 2 sampled choices (seeded): each one's calls valid, and its stream (deltas by choice index) equal
+    to its whole message."""
+    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+                temperature=1.0, seed=5, max_tokens=120)
+    whole = client.chat.completions.create(**args)
+    streamed: dict[int, dict[int, list[str]]] = {0: {}, 1: {}}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                name_and_arguments = streamed[choice.index].setdefault(call.index, ["", ""])
+                name_and_arguments[0] += call.function.name or ""
+                name_and_arguments[1] += call.function.arguments or ""
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1 and _valid([(None, *c) for c in calls])
+        assert [tuple(c) for _, c in sorted(streamed[choice.index].items())] == calls
+
+
 def test_a_tool_round_trip(client):
     """The call and its result go back in the history (assistant tool_calls, a tool message) and the model answers."""
     first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
@@ -134,3 +135,21 @@ def test_auto_needs_the_servers_flags(plain_client):
     reply = plain_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                                  parallel_tool_calls=False, max_tokens=120, temperature=0)
     assert reply.choices[0].finish_reason == "tool_calls"  # forced choices need no flag
+
+
+def test_serve_flags_in_vllm_spelling(capsys):
+    import yaml
+
+    from autodeploy.cli import main
+
+    argv = ["serve", "ckpt", "--print_config", "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+            "--reasoning-parser", "qwen3", "--grammar-compile-timeout", "3", "--max-grammar-chars", "500"]
+    assert main(argv) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert (config["enable_auto_tool_choice"], config["tool_call_parser"], config["reasoning_parser"]) == (
+        True, "mistral", "qwen3")
+    assert (config["limits"]["grammar_compile_timeout"], config["limits"]["max_grammar_chars"]) == (3.0, 500)
+    for flag, message in (("--tool-call-parser", "unknown tool call parser 'nope'; choose one of hermes"),
+                          ("--reasoning-parser", "unknown reasoning parser 'nope'; choose one of deepseek_r1")):
+        assert main(["serve", "ckpt", "--print_config", flag, "nope"]) == 2
+        assert message in capsys.readouterr().err
