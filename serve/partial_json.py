@@ -100,7 +100,8 @@ def scan_call(text: str, i: int) -> tuple[PartialCall, int | None]:
         start = skip_whitespace(text, i + 1)
         end = value_end(text, start)
         if key in NAME_KEYS and end is not None:
-            name = json.loads(text[start:end])
+            value = json.loads(text[start:end])
+            name = value if isinstance(value, str) else None  # (a call named by a number is not a call)
         elif key in ARGUMENT_KEYS:
             arguments = _arguments_text(text[start:end] if end is not None else text[start:], end is not None)
         if end is None:

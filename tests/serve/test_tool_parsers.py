@@ -75,6 +75,7 @@ def test_plain_text_is_content(case, text):
 @pytest.mark.parametrize("case, text", [
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>'),  # unclosed object
     ("hermes", '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'),  # no name
+    ("hermes", '<tool_call>\n{"name": 5, "arguments": {"a": 1}}\n</tool_call>'),  # a name that is no string
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and then some text'),
 ])
 def test_broken_calls_leave_the_text_as_content(case, text):
