@@ -95,7 +95,8 @@ def add_options(group) -> None:
     group.add_argument("--structured-batch", type=int, default=64, help="sequences decoding together")
     group.add_argument("--structured-context", type=int, default=256, help="prompt tokens per sequence")
     group.add_argument("--structured-steps", type=int, default=30, help="timed steps")
-    group.add_argument("--structured-tokenizer", default=None, help="tokenizer directory (default .whl/smollm2-tokenizer)")
+    group.add_argument("--structured-tokenizer", default=None,
+                       help="tokenizer directory (default .whl/smollm2-tokenizer)")
 
 
 def table_rows(args, header) -> Iterator[TableRow]:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
@@ -64,6 +64,12 @@ class ServeSettings(BaseModel):
         if value is not None and value not in known:
             raise ValueError(f"unknown {info.field_name.replace('_', ' ')} '{value}'; choose one of {', '.join(known)}")
         return value
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+        return self
 
     @property
     def tool_settings(self) -> ToolSettings:

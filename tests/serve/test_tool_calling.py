@@ -149,7 +149,8 @@ def test_serve_flags_in_vllm_spelling(capsys):
     assert (config["enable_auto_tool_choice"], config["tool_call_parser"], config["reasoning_parser"]) == (
         True, "mistral", "qwen3")
     assert (config["limits"]["grammar_compile_timeout"], config["limits"]["max_grammar_chars"]) == (3.0, 500)
-    for flag, message in (("--tool-call-parser", "unknown tool call parser 'nope'; choose one of hermes"),
-                          ("--reasoning-parser", "unknown reasoning parser 'nope'; choose one of deepseek_r1")):
-        assert main(["serve", "ckpt", "--print_config", flag, "nope"]) == 2
+    for flags, message in ((["--tool-call-parser", "nope"], "unknown tool call parser 'nope'; choose one of hermes"),
+                           (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; choose one of deepseek_r1"),
+                           (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser")):
+        assert main(["serve", "ckpt", "--print_config", *flags]) == 2
         assert message in capsys.readouterr().err
