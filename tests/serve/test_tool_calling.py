@@ -82,6 +82,15 @@ def test_auto_choice_without_calls_is_content(client, stream):
     assert (content, calls, reasoning, finish) == ("Sunny, 20 C.", [], "x", "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_without_tools(client, stream):
+    """--reasoning-parser alone: the thinking is reasoning_content, the rest content (forced, the model is random)."""
+    (content, calls, reasoning), finish = chat_reply(
+        client, stream, model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
+        extra_body={"guided_grammar": 'root ::= "<think>\\n2 < 3, so</think>\\n\\nThree."'})
+    assert (content, calls, reasoning, finish) == ("Three.", [], "2 < 3, so", "stop")
+
+
 def test_required_calls_of_n_choices_streamed_and_whole(client):
     """``n`` = 2 sampled choices (seeded): each one's calls valid, and its stream (deltas by choice index) equal
     to its whole message."""
