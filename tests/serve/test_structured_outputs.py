@@ -250,3 +250,13 @@ def test_the_overhead_bench_runs_at_tiny_size(compiled, tokenizer, monkeypatch):
     extra_ms = timings["json_schema"]["ms"] - timings["free"]["ms"]
     assert constrained.metrics["overhead_ms_per_step"] == pytest.approx(extra_ms)
     assert "us/token over free" in constrained.note and free.tokens_per_s > 0
+
+
+def test_offline_llm_takes_a_grammar(compiled, tokenizer):
+    """``LLM.generate`` compiles in its own process (no deadline) and follows the grammar as the server does."""
+    import autodeploy
+
+    llm = autodeploy.LLM(compiled, tokenizer)
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=64, structured=StructuredOutput("regex", REGEX))
+    (out,) = llm.generate([[5, 9, 12]], params)
+    assert re.fullmatch(REGEX, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
