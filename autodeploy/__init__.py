@@ -14,12 +14,12 @@ from .compiled import CompiledModel
 from .compiler import compile
 from .config import CompileConfig
 from .errors import AutoDeployError
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoDeployError", "CompileConfig", "CompiledModel", "LLM", "RequestOutputKind", "SamplingParams",
-           "compile", "__version__"]
+           "StructuredOutput", "compile", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

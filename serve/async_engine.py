@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import SamplingParams, StructuredOutput
 
 from .engine import Engine, EngineStats
 from .outputs import RequestOutput
@@ -96,6 +96,10 @@ class EngineFrontEnd:
         raise NotImplementedError
 
     # ---- streams ----------------------------------------------------------------------------------
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a request's grammar into the engine's cache (blocking: call it from a worker thread)."""
+        self.engine.compile_grammar(spec)
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None

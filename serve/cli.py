@@ -26,8 +26,9 @@ SERVE_FLAGS: list[tuple[str, type]] = [
     ("host", str), ("port", int), ("served_model_name", str), ("tokenizer", str), ("chat_template", str),
     ("api_key_file", str), ("drain_timeout", float), ("engine_process", str), ("max_num_prefill_tokens", int),
     ("timeline", str),
+    ("tool_call_parser", str), ("reasoning_parser", str),  # tool calls and reasoning (vLLM's flags)
 ]
-SWITCHES = ["metrics_without_key"]  # ServeSettings booleans that a bare flag turns on
+SWITCHES = ["metrics_without_key", "enable_auto_tool_choice"]  # ServeSettings booleans that a bare flag turns on
 # other spellings of the same settings: vLLM's names and trtllm-serve's older ones
 ALIASES: dict[str, tuple[str, type]] = {
     "--max-num-seqs": ("max_batch_size", int), "--max-model-len": ("max_seq_len", int),
@@ -120,7 +121,7 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     port = sock.getsockname()[1]
     url = f"http://{settings.host}:{port}"
     state = ServerState(settings.served_model_name, settings.api_key, settings.api_key_file,
-                        settings.metrics_without_key, settings.limits)
+                        settings.metrics_without_key, settings.limits, settings.tool_settings, settings.reasoning_parser)
     timeline = open_timeline(settings.timeline, "api" if uses_engine_process(settings, compile_options) else "server")
     app = build_app(state)
     if timeline is not None:

@@ -36,7 +36,7 @@ import torch
 from autodeploy.compiled import CompiledModel
 from autodeploy.kvcache.block_manager import BlockManager
 from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
-from autodeploy.sampling_params import RequestOutputKind, SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request_bounds import RequestBounds, check_request
@@ -44,6 +44,7 @@ from .runner import ModelRunner, PendingStep
 from .sampler import Sampler
 from .scheduler import Schedule, Scheduler
 from .sequence import Request, Sequence, Status, new_sequences
+from .structured import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger("autodeploy.serve.engine")
 
@@ -59,6 +60,8 @@ class EngineConfig:
     num_blocks: int | None = None  # use only this many of the model's KV blocks
     overlap: bool | None = None  # default: on for CUDA, off on the CPU
     freeze_gc: bool | None = None  # default: on for CUDA (see _freeze_long_lived_objects)
+    # structured outputs: compile grammars in a worker process under this deadline (None: here, unbounded)
+    grammar_compile_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,13 @@ class Engine:
         self.max_num_tokens = min(config.max_num_tokens or model.config.max_num_tokens, model.config.max_num_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens,
                                    config.max_num_prefill_tokens)
-        self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device))
+        self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
+        self.structured = None if tokenizer is None else StructuredOutputs(GrammarCompiler(
+            tokenizer, model.vocab_size, self.eos_token_ids, config.grammar_compile_timeout))
+        self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device, self.structured))
         self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
         if config.freeze_gc if config.freeze_gc is not None else model.device.type == "cuda":
             _freeze_long_lived_objects()
-        self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._in_flight: PendingStep | None = None  # launched, its tokens not yet on the host (overlap)
@@ -121,6 +126,8 @@ class Engine:
         self.check_request(prompt, params)
         request = Request(request_id, prompt, params, arrival_time or time.monotonic(),
                           frozenset(self.eos_token_ids), self._total_tokens(prompt, params), frozenset(params.stop_token_ids))
+        if params.structured is not None:
+            self.structured.prepare(params.structured)
         seqs = new_sequences(request, self.tokenizer)
         for seq in seqs:
             if params.seed is not None:
@@ -138,6 +145,13 @@ class Engine:
             if not seq.is_finished:
                 self._finish(seq, "abort", None)
         return self._request_output(request_id, seqs)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a request's grammar into the engine's cache now (thread-safe; the server calls it before
+        adding the request); ``GrammarError``, a ``ValueError``, with the reason when it cannot be compiled."""
+        if self.structured is None:
+            raise ValueError("structured outputs need a tokenizer (the grammar is matched against its vocabulary)")
+        self.structured.compiler.compile(spec)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -34,6 +34,10 @@ class RequestLimits(BaseModel):
                                               "(rendered in a sandboxed worker process with a deadline)")
     chat_template_timeout: float = Field(1.0, gt=0, le=60, description="seconds a client's chat template may "
                                          "take to render")
+    max_grammar_chars: int = Field(64 * 1024, ge=16, description="longest structured-output grammar (JSON schema, "
+                                   "regex, choices, EBNF, or the schema of the tools a tool choice forces), in characters")
+    grammar_compile_timeout: float = Field(10.0, gt=0, le=600, description="seconds a grammar may take to compile "
+                                           "(in a worker process, killed past it; failures are cached)")
 
     def check_stop(self, stop: str | list[str] | None) -> None:
         stops = [stop] if isinstance(stop, str) else stop or []
@@ -50,6 +54,12 @@ class RequestLimits(BaseModel):
             raise bad_request(f"this request would start {num_prompts} x {n} = {num_prompts * n} sequences; at most "
                               f"{self.max_sequences_per_request} are allowed (the server's --max_sequences_per_request)",
                               "n")
+
+    def check_grammar(self, spec) -> None:
+        """``spec``: the request's ``StructuredOutput`` (or None)."""
+        if spec is not None and len(spec.spec) > self.max_grammar_chars:
+            raise bad_request(f"the structured-output grammar has {len(spec.spec)} characters; this server takes at "
+                              f"most {self.max_grammar_chars} (its --max_grammar_chars)", "response_format")
 
     def prompt_tokens(self, max_model_len: int) -> int:
         """The longest prompt this server takes, in tokens."""

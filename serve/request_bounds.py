@@ -30,6 +30,8 @@ def check_request(prompt: Sequence[int], params: SamplingParams, bounds: Request
         raise ValueError(f"token id {bad[0]} is out of vocabulary (size {bounds.vocab_size})")
     if params.stop and (not has_tokenizer or not params.detokenize):
         raise ValueError("stop strings need detokenization (a tokenizer)")
+    if params.structured is not None and not has_tokenizer:
+        raise ValueError("structured outputs need a tokenizer (the grammar is matched against its vocabulary)")
     max_tokens = params.max_tokens or 1
     if len(prompt) + max_tokens > bounds.max_seq_len:
         raise ValueError(context_length_message(bounds.max_seq_len, len(prompt), params.max_tokens))

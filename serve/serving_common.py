@@ -22,6 +22,8 @@ from .limits import RequestLimits
 from .metrics import Metrics
 from .outputs import OutputAccumulator, RequestOutput
 from .preprocess import Preprocessor
+from .structured import GrammarError
+from .tools import ToolSettings
 
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -31,7 +33,8 @@ class ServerState:
     """What the handlers share. ``engine`` stays None while the model loads (503 until then).
 
     ``api_key`` (one or several) and ``api_key_file`` set the accepted keys (``guards.APIKeys``);
-    ``limits`` are the operator's request limits; ``draining`` is set on SIGTERM (503 from then on).
+    ``limits`` are the operator's request limits; ``draining`` is set on SIGTERM (503 from then on);
+    ``tools`` and ``reasoning_parser`` say how chat replies are read (tool calls, reasoning).
     """
 
     served_model_name: str
@@ -39,6 +42,8 @@ class ServerState:
     api_key_file: str | None = None
     metrics_without_key: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    reasoning_parser: str | None = None
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     max_model_len: int = 0
@@ -87,6 +92,18 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     return params
+
+
+async def compile_grammar(state: ServerState, engine: AsyncEngine, params: SamplingParams) -> None:
+    """A structured output's grammar, checked against the limits and compiled into the engine's cache
+    before the request reaches the engine (off the event loop); a 400 with the grammar engine's reason."""
+    if params.structured is None:
+        return
+    state.limits.check_grammar(params.structured)
+    try:
+        await asyncio.to_thread(engine.compile_grammar, params.structured)
+    except GrammarError as exc:
+        raise bad_request(str(exc), "response_format") from None
 
 
 def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:

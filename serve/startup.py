@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .limits import RequestLimits
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
+from .tools import ToolSettings
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -59,11 +62,35 @@ class ServeSettings(BaseModel):
     timeline: str | None = Field(None, description="write a JSON-lines timeline of the server at work to this file "
                                  "(engine steps, compiles, allocator, event-loop lag, SSE writes, GC); "
                                  "'autodeploy bench timeline FILE' summarizes it (default: $AUTODEPLOY_TIMELINE)")
+    enable_auto_tool_choice: bool = Field(False, description="let the model decide when to call tools (tool_choice "
+                                          "\"auto\", the default with tools); needs --tool-call-parser")
+    tool_call_parser: str | None = Field(None, description="how tool calls are read out of the model's output: "
+                                         + ", ".join(TOOL_PARSERS))
+    reasoning_parser: str | None = Field(None, description="return <think>...</think> as reasoning_content: "
+                                         + ", ".join(REASONING_PARSERS))
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _one_or_more_keys(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value, info):
+        known = TOOL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if value is not None and value not in known:
+            raise ValueError(f"unknown {info.field_name.replace('_', ' ')} '{value}'; choose one of {', '.join(known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+        return self
+
+    @property
+    def tool_settings(self) -> ToolSettings:
+        return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser)
 
     @property
     def requires_key(self) -> bool:
@@ -157,7 +184,8 @@ def engine_config(settings: ServeSettings):
     from .engine import EngineConfig
 
     return EngineConfig(enable_prefix_caching=settings.enable_prefix_caching,
-                        max_num_prefill_tokens=settings.max_num_prefill_tokens or None)
+                        max_num_prefill_tokens=settings.max_num_prefill_tokens or None,
+                        grammar_compile_timeout=settings.limits.grammar_compile_timeout)
 
 
 def start_watching_compiles(engine, timeline=None) -> None:

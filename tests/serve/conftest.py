@@ -113,10 +113,10 @@ class LiveServer:
 def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, engine_process=None,
                warm_up=False, timeline=None, **options):
     """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
-    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields. With
-    ``engine_process`` (default: ``DEFAULT_ENGINE_MODE``) the engine runs in a forked process of its own (as
-    ``--engine_process on``), else on a thread of this one; ``warm_up`` runs the start-up requests first
-    (``--warm_up``); ``timeline``: the engine process's timeline file (``--timeline``)."""
+    are ServerState fields (``api_key_file``, ``metrics_without_key``, ``tools``, ``reasoning_parser``) or
+    EngineConfig fields. With ``engine_process`` (default: ``DEFAULT_ENGINE_MODE``) the engine runs in a forked
+    process of its own (as ``--engine_process on``), else on a thread of this one; ``warm_up`` runs the start-up
+    requests first (``--warm_up``); ``timeline``: the engine process's timeline file (``--timeline``)."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
     from autodeploy.serve.engine_client import fork_engine_process
@@ -124,7 +124,8 @@ def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, l
     from autodeploy.serve.serving_common import ServerState
     from autodeploy.serve.warmup import warm_up_engine
 
-    state_options = {k: options.pop(k) for k in ("api_key_file", "metrics_without_key") if k in options}
+    state_fields = ("api_key_file", "metrics_without_key", "tools", "reasoning_parser")
+    state_options = {k: options.pop(k) for k in state_fields if k in options}
     engine_options = options
     state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
     engine = Engine(compiled, tokenizer, EngineConfig(**engine_options))
@@ -196,6 +197,28 @@ def settled_stats(engine, timeout: float = 10.0):
     while engine.stats().num_used_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
     return engine.stats()
+def chat_reply(client, stream: bool, **args):
+    """A chat completion's first choice through the openai client, whole or streamed, as
+    ``((content, [(id, name, arguments)], reasoning_content), finish_reason)``; a streamed one is rebuilt
+    as the client's users rebuild it, checking the order of the tool-call deltas (id, type, name first)."""
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return (choice.message.content, calls, getattr(choice.message, "reasoning_content", None)), choice.finish_reason
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.name
+                calls[call.index] = [call.id, call.function.name, call.function.arguments or ""]
+            else:
+                assert call.index in calls and call.function.name is None  # the name came first
+                calls[call.index][2] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return (content or None, [tuple(c) for _, c in sorted(calls.items())], reasoning or None), finish
 
 
 def wait_for_url(proc) -> str:

@@ -22,10 +22,10 @@ def _poison_sampler(monkeypatch) -> None:
     """Every sampler (so an engine forked into its own process has it too)."""
     sample = Sampler.sample
 
-    def poisoned(self, logits, seqs):
+    def poisoned(self, logits, seqs, *rest):
         if any(s.params.seed == POISON_SEED for s in seqs):
             raise OverflowError("Overflow when unpacking long long")
-        return sample(self, logits, seqs)
+        return sample(self, logits, seqs, *rest)
 
     monkeypatch.setattr(Sampler, "sample", poisoned)
 
