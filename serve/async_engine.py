@@ -98,8 +98,9 @@ class EngineFrontEnd:
     # ---- streams ----------------------------------------------------------------------------------
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
-        """Compile a request's grammar into the engine's cache (blocking: call it from a worker thread)."""
-        self.engine.compile_grammar(spec)
+        """Compile a request's grammar, or raise ``GrammarError`` with the reason (blocking: call it from a
+        worker thread)."""
+        raise NotImplementedError
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None
@@ -200,6 +201,9 @@ class AsyncEngine(EngineFrontEnd):
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt_token_ids, params)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        self.engine.compile_grammar(spec)  # into the engine's own cache: its request will not compile it again
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import zmq
 
-from autodeploy.sampling_params import SamplingParams
+from autodeploy.sampling_params import SamplingParams, StructuredOutput
 
 from .async_engine import EngineDeadError, EngineFrontEnd, RequestFailedError
 from .engine import EngineStats
@@ -36,6 +36,7 @@ from .engine_protocol import (AbortRequests, AddRequest, Codec, EngineFailed, En
                               Rejected, Shutdown, StartupFailed, StepOutputs, StopSequences)
 from .output_processor import OutputProcessor
 from .request_bounds import RequestBounds, check_request
+from .structured import GrammarCompiler
 
 log = logging.getLogger("autodeploy.serve.engine_client")
 
@@ -135,6 +136,8 @@ class EngineClient(EngineFrontEnd):
         self.processor = OutputProcessor(tokenizer)
         self._stats = EngineStats(0, 0, info.num_blocks, 0, 0, 0, 0)
         self._stopping = False
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._grammars_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="autodeploy-engine-client", daemon=True)
         self._receiver.start()
         threading.Thread(target=self._watch, name="autodeploy-engine-watchdog", daemon=True).start()
@@ -149,8 +152,22 @@ class EngineClient(EngineFrontEnd):
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.bounds, self.tokenizer is not None)
 
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compiled here too, against the same vocabulary and deadline as in the engine process, so that a
+        grammar that cannot be compiled is a 400 before the request crosses (the engine compiles its own
+        copy on its compiler thread while the prompt is prefilled)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (the grammar is matched against its vocabulary)")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+                                                 self.info.grammar_compile_timeout)
+        self._grammars.compile(spec)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        if self._grammars is not None:
+            self._grammars.close()
         self.process.stop_process(timeout)
         self._receiver.join()
         self.process.close()

@@ -105,7 +105,8 @@ def _serve(get_parts, commands, events, addresses, timeline_path) -> int:
 def engine_info(engine, report: str) -> EngineInfo:
     model = engine.model
     return EngineInfo(os.getpid(), str(model.model_dir or ""), model.vocab_size, model.max_seq_len,
-                      engine.max_total_tokens, engine.blocks.num_blocks, engine.blocks.block_size, report)
+                      engine.max_total_tokens, engine.blocks.num_blocks, engine.blocks.block_size, report,
+                      sorted(engine.eos_token_ids), engine.config.grammar_compile_timeout)
 
 
 class EngineLoop:

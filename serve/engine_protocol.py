@@ -77,6 +77,8 @@ class EngineInfo(msgspec.Struct, array_like=True):
     num_blocks: int
     block_size: int
     report: str
+    eos_token_ids: list[int]  # the grammar compiler's stop tokens (structured outputs are checked here too)
+    grammar_compile_timeout: float | None
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
