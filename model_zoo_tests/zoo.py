@@ -87,4 +87,6 @@ ZOO: tuple[ZooModel, ...] = (
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
+    ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "
+             "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2),
 )
