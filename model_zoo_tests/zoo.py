@@ -6,7 +6,8 @@ otherwise. ``windows`` is the sliding window each attention layer must end up wi
 causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
 layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
 README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
-not hold) has to stop with.
+not hold) has to stop with; ``mla`` models cache a latent per token (``paged_mla``); ``engine`` models
+also run through the engine with too few blocks (preemption) and an abort.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ZooModel:
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
     slow: bool = False  # export alone takes ~20 s on the CI machine
     attn_implementation: str = "eager"  # the HF attention code that is exported
+    mla: bool = False  # multi-head latent attention: every attention layer is ``paged_mla`` over a latent cache
+    engine: bool = False  # also through the engine: KV exhaustion preempts, abort frees every block
 
     @property
     def name(self) -> str:
@@ -88,5 +91,11 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
     ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "
-             "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2),
+             "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2,
+             engine=True),
+    ZooModel("deepseek_v3", "MLA (compressed q, latent 32 + rotary key 8, interleaved RoPE, YaRN mscale) over a "
+             "latent cache; grouped sigmoid routing with a shared expert, layer 0 dense", mla=True, moe_layers=1,
+             engine=True),
+    ZooModel("deepseek_v2", "MLA with a plain q projection and complex RoPE; softmax top-k routing, 2 shared "
+             "experts, layer 0 dense", mla=True, moe_layers=1),
 )
