@@ -44,7 +44,6 @@ from autodeploy.kernels.mla_attention import MLALaunch, mla_attention_fwd  # noq
 from autodeploy.ops.mla import split_kv_b  # noqa: E402
 
 HEADS, RANK, ROPE, NOPE, V = 128, 512, 64, 128, 128  # DeepSeek-V3
-PAGE = 16
 MHA_VALUES = HEADS * (NOPE + ROPE + V)  # per token: every head's key and value
 MHA_HEADS, MHA_DIM = MHA_VALUES // 256, 128  # the same values per token as K and V of head size 128
 LATENT_VALUES = RANK + ROPE
@@ -85,23 +84,11 @@ class LatentStep:
 def latent_step(seqs: list[tuple[int, int]], heads=HEADS, rank=RANK, rope=ROPE, nope=NOPE, v=V, pad_tokens=0,
                 dtype=torch.bfloat16, device=DEV) -> LatentStep:
     """Sequences of (context_len, query_len) on shuffled pages of a random latent cache."""
-    pages = [-(-(c + n) // PAGE) for c, n in seqs]
-    order = torch.randperm(sum(pages) + 1, device=device)
-    table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=device)
-    slots, used = [], 0
-    for b, ((ctx, n), count) in enumerate(zip(seqs, pages)):
-        table[b, :count] = order[used: used + count]
-        used += count
-        pos = torch.arange(ctx, ctx + n, device=device)
-        slots.append(table[b, pos // PAGE] * PAGE + pos % PAGE)
-    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=device))
-    query_lens = torch.tensor([n for _, n in seqs], device=device)
-    tokens = int(query_lens.sum()) + pad_tokens
+    meta, pages = kg.paged_metadata(seqs, pad_tokens, device)
+    tokens = meta[-1].shape[0]
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
-    meta = (query_lens, torch.tensor([c for c, _ in seqs], device=device),
-            torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)), table, torch.cat(slots))
     return LatentStep(rand(tokens, heads, nope), rand(tokens, heads, rope), rand(tokens, rank), rand(tokens, rope),
-                      rand(heads * (nope + v), rank) * rank**-0.5, rand(sum(pages) + 1, PAGE, rank + rope), meta,
+                      rand(heads * (nope + v), rank) * rank**-0.5, rand(pages, kg.PAGE, rank + rope), meta,
                       (nope + rope) ** -0.5)
 
 
@@ -133,7 +120,7 @@ def time_decode(report: Report, batch: int, ctx: int = 4096) -> tuple[float, flo
     """(MLA op, MHA) graph times of one layer's decode step at ``batch`` x ``ctx``."""
     latent = batch * ctx * LATENT_VALUES * 2
     steps = [latent_step([(ctx - 1, 1)] * batch) for _ in range(sets_for(latent, cap=16))]
-    launch = MLALaunch.choose(batch, batch, HEADS, steps[0].meta[3].shape[1] * PAGE, DEV)
+    launch = MLALaunch.choose(batch, batch, HEADS, steps[0].meta[3].shape[1] * kg.PAGE, DEV)
     note = f"latent cache {latent / 1e6:.0f} MB; tile {launch.block_h}h x {launch.block_q}t, splits {launch.num_splits}"
     weights = HEADS * (NOPE + V) * RANK * 2
     op_bytes = latent + weights + _io_bytes(batch, HEADS * NOPE, HEADS * ROPE, RANK, ROPE, HEADS * V)
