@@ -96,6 +96,4 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("deepseek_v3", "MLA (compressed q, latent 32 + rotary key 8, interleaved RoPE, YaRN mscale) over a "
              "latent cache; grouped sigmoid routing with a shared expert, layer 0 dense", mla=True, moe_layers=1,
              engine=True),
-    ZooModel("deepseek_v2", "MLA with a plain q projection and complex RoPE; softmax top-k routing, 2 shared "
-             "experts, layer 0 dense", mla=True, moe_layers=1),
 )

@@ -48,8 +48,8 @@ def check_mla(module, expected=1):
     return check, check.gm.graph.find_nodes(op="call_function", target=MLA)
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q_a-q_b", "q_proj"])
-@pytest.mark.parametrize("rope_interleave", [True, False])
+@pytest.mark.parametrize("q_lora_rank, rope_interleave", [(32, True), (None, False)],
+                         ids=["q_a-q_b-interleaved", "q_proj-half-rotate"])
 def test_deepseek_v3_attention(q_lora_rank, rope_interleave):
     module = Layer(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
     _, (node,) = check_mla(module)
