@@ -51,13 +51,8 @@ def check_mla(module, expected=1):
 @pytest.mark.parametrize("q_lora_rank, rope_interleave", [(32, True), (None, False)],
                          ids=["q_a-q_b-interleaved", "q_proj-half-rotate"])
 def test_deepseek_v3_attention(q_lora_rank, rope_interleave):
+    """Also: YaRN's mscale (tiny deepseek_v3: factor 4, mscale_all_dim 1) is in the captured scale."""
     module = Layer(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
-    _, (node,) = check_mla(module)
-    assert node.args[-1] == pytest.approx(module.attn.scaling)
-
-
-def test_yarn_mscale_is_in_the_captured_scale():
-    module = Layer()  # tiny deepseek_v3: YaRN factor 4 with mscale_all_dim 1
     assert module.attn.scaling > module.attn.qk_head_dim**-0.5 * 1.2
     _, (node,) = check_mla(module)
     assert node.args[-1] == pytest.approx(module.attn.scaling)
