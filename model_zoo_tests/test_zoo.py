@@ -98,6 +98,7 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     assert attention_flags(compiled, "sliding_window", op) == list(zoo_model.windows)
     assert attention_flags(compiled, "chunk_size", op) == list(zoo_model.chunks)
     assert [s is not None for s in attention_flags(compiled, "alibi_slopes", op)] == [zoo_model.alibi] * layers
+    assert [s is not None for s in attention_flags(compiled, "sinks", op)] == [zoo_model.sinks] * layers
     assert counts.get("moe", 0) == zoo_model.moe_layers, f"MoE layers not all canonicalized: {counts}"
     result = run_check(model_dir, steps=STEPS, prompt_lens=PROMPT_LENS, compiled=compiled)
     assert result.passed, result.summary()

@@ -4,10 +4,11 @@ Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TIN
 random weights, exported with HF's eager attention code unless ``attn_implementation`` says
 otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
 causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
-layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
-README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
-not hold) has to stop with; ``mla`` models cache a latent per token (``paged_mla``); ``engine`` models
-also run through the engine with too few blocks (preemption) and an abort.
+layers carry ALiBi slopes, ``sinks`` whether they have learned attention sinks; ``xfail`` holds the
+real reason when an architecture cannot pass yet (the README lists the same reasons); ``refused`` the
+error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
+a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
+(preemption) and an abort.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ZooModel:
     windows: tuple[int | None, ...] = FULL
     chunks: tuple[int | None, ...] = FULL
     alibi: bool = False  # every attention layer has ALiBi slopes
+    sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
@@ -92,7 +94,7 @@ ZOO: tuple[ZooModel, ...] = (
              moe_layers=1),
     ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "
              "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2,
-             engine=True),
+             sinks=True, engine=True),
     ZooModel("deepseek_v3", "MLA (compressed q, latent 32 + rotary key 8, interleaved RoPE, YaRN mscale) over a "
              "latent cache; grouped sigmoid routing with a shared expert, layer 0 dense", mla=True, moe_layers=1,
              engine=True),
