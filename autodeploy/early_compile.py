@@ -45,11 +45,11 @@ class AttentionKind:
 
 def guess_attention_kinds(hf_config: PretrainedConfig, dtype: torch.dtype) -> list[AttentionKind]:
     """The attention layer kinds the compiled graph most likely holds, read off the config ([] if the
-    config does not say how many heads it has)."""
+    config does not say how many heads it has, or its attention is MLA)."""
     heads = getattr(hf_config, "num_attention_heads", None)
     hidden = getattr(hf_config, "hidden_size", None)
-    if not isinstance(heads, int) or heads <= 0:
-        return []
+    if not isinstance(heads, int) or heads <= 0 or getattr(hf_config, "kv_lora_rank", None):
+        return []  # (MLA layers, DeepSeek's kv_lora_rank, run paged_mla: no paged attention to guess)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
     if not isinstance(head_dim, int) or heads % kv_heads:

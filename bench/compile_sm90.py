@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from autodeploy.kernels import activation, gemv, kv_cache_write, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -185,6 +185,22 @@ def _gemv_variants():
     yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
 
 
+def _mla_variants():
+    """MLA at DeepSeek-V3's shape (128 heads, latent 512 + rotary 64, bf16): the decode tile of 16 heads x 1
+    token split 12 ways (batch 1 at 4096 keys on 132 SMs), a prefill tile (16 heads x 2 tokens), the merge."""
+    pointers = {n: "*bf16" for n in ("out_ptr", "q_ptr", "qpe_ptr", "cache_ptr")}
+    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
+    pointers.update({n: "*i64" for n in ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr")})
+    shape = dict(HEADS=128, RANK=512, BLOCK_R=512)
+    const = dict(shape, ROPE_DIM=64, BLOCK_P=64, BLOCK_H=16, BLOCK_Q=1, BLOCK_N=32, PAGE_SIZE=16, NUM_SPLITS=12,
+                 SEARCH_BLOCK=mla_attention.SEARCH_BLOCK, DOT_PRECISION="tf32")
+    yield ("mla decode ds-v3 h128 r512 (split 12)", mla_attention._mla_kernel, pointers, const, 4, 2)
+    yield ("mla prefill ds-v3 (16 heads x 2 tokens)", mla_attention._mla_kernel, pointers,
+           dict(const, BLOCK_Q=2, NUM_SPLITS=1), 8, 2)
+    merge = dict(shape, BLOCK_H=16, NUM_SPLITS=12, SPLITS_PAD=16)
+    yield ("mla merge ds-v3 (12 splits)", mla_attention._merge_kernel, pointers, merge, 4, 2)
+
+
 def variants():
     """(name, kernel, pointer types, constexprs, warps, stages[, options]) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -256,6 +272,7 @@ def variants():
         yield (f"rope d128 {'interleaved' if interleaved else 'half'}", rope._rope_kernel, rope_ptrs,
                dict(rope_const, INTERLEAVED=interleaved), 4, 1)
     yield from _gemv_variants()
+    yield from _mla_variants()
     qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
     yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
 

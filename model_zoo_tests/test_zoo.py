@@ -3,7 +3,9 @@
 For each architecture (``zoo.ZOO``): a tiny random checkpoint is built once; the compiled graph must
 have every attention layer as ``paged_attention`` (with the expected sliding windows and chunks) and every MoE
 layer as ``moe``; then the canary (``autodeploy.check.run_check``: fp32, staggered joins, chunked
-prefill mixed with decodes, 16 greedy steps) must pass at rel err <= 1e-4 with identical tokens.
+prefill mixed with decodes, 16 greedy steps) must pass at rel err <= 1e-4 with identical tokens. Models
+marked ``engine`` also run through the engine: with too few KV blocks (preemptions) it must generate what
+it generates uncontended, and aborting requests mid-run must free every block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from autodeploy.check import run_check
 from autodeploy.compiler import compile as compile_model
 from autodeploy.errors import PassError
+from autodeploy.sampling_params import SamplingParams
+from autodeploy.serve.engine import Engine, EngineConfig
 from autodeploy.tiny import TINY_OVERRIDES, make_tiny_checkpoint
 
 from .zoo import ZOO, ZooModel
@@ -44,9 +48,37 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def attention_flags(model, flag: str) -> list:
-    nodes = model.gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.paged_attention.default)
+def attention_flags(model, flag: str, op: str = "paged_attention") -> list:
+    nodes = model.gm.graph.find_nodes(op="call_function", target=getattr(torch.ops.autodeploy, op).default)
     return [node.kwargs.get(flag) for node in nodes]
+
+
+def _generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+    return list(tokens.values())
+
+
+def check_engine(compiled) -> None:
+    """Preemption under KV exhaustion changes no token; an abort mid-run frees every block at once."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, compiled.vocab_size, (n,), generator=gen).tolist() for n in (20, 12, 25, 17, 9, 22)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = _generate(Engine(compiled, None, EngineConfig()), prompts, params)
+    tight = Engine(compiled, None, EngineConfig(num_blocks=-(-(25 + 12) // compiled.block_size) + 1))
+    assert _generate(tight, prompts, params) == want
+    assert tight.stats().num_preemptions > 0 and tight.blocks.num_used == 0
+    engine = Engine(compiled, None, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    engine.step()
+    assert engine.blocks.num_used > 0
+    finals = [engine.abort_request(str(i)) for i in range(len(prompts))]
+    assert engine.blocks.num_used == 0 and all(f.outputs[0].finish_reason == "abort" for f in finals)
 
 
 @pytest.mark.parametrize("zoo_model", [_param(m) for m in ZOO])
@@ -61,14 +93,18 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     compiled = compile_model(model_dir, **settings)
     layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
-    assert counts.get("paged_attention") == layers, f"attention layers not all canonicalized: {counts}"
-    assert attention_flags(compiled, "sliding_window") == list(zoo_model.windows)
-    assert attention_flags(compiled, "chunk_size") == list(zoo_model.chunks)
-    assert [slopes is not None for slopes in attention_flags(compiled, "alibi_slopes")] == [zoo_model.alibi] * layers
+    op = "paged_mla" if zoo_model.mla else "paged_attention"
+    assert counts.get(op) == layers, f"attention layers not all canonicalized: {counts}"
+    assert attention_flags(compiled, "sliding_window", op) == list(zoo_model.windows)
+    assert attention_flags(compiled, "chunk_size", op) == list(zoo_model.chunks)
+    assert [s is not None for s in attention_flags(compiled, "alibi_slopes", op)] == [zoo_model.alibi] * layers
+    assert [s is not None for s in attention_flags(compiled, "sinks", op)] == [zoo_model.sinks] * layers
     assert counts.get("moe", 0) == zoo_model.moe_layers, f"MoE layers not all canonicalized: {counts}"
     result = run_check(model_dir, steps=STEPS, prompt_lens=PROMPT_LENS, compiled=compiled)
     assert result.passed, result.summary()
     assert result.tokens_compared == STEPS * len(PROMPT_LENS)
+    if zoo_model.engine:
+        check_engine(compiled)
 
 
 def test_readme_lists_every_architecture_with_its_status():

@@ -4,9 +4,11 @@ Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TIN
 random weights, exported with HF's eager attention code unless ``attn_implementation`` says
 otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
 causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
-layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
-README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
-not hold) has to stop with.
+layers carry ALiBi slopes, ``sinks`` whether they have learned attention sinks; ``xfail`` holds the
+real reason when an architecture cannot pass yet (the README lists the same reasons); ``refused`` the
+error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
+a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
+(preemption) and an abort.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ class ZooModel:
     windows: tuple[int | None, ...] = FULL
     chunks: tuple[int | None, ...] = FULL
     alibi: bool = False  # every attention layer has ALiBi slopes
+    sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
     slow: bool = False  # export alone takes ~20 s on the CI machine
     attn_implementation: str = "eager"  # the HF attention code that is exported
+    mla: bool = False  # multi-head latent attention: every attention layer is ``paged_mla`` over a latent cache
+    engine: bool = False  # also through the engine: KV exhaustion preempts, abort frees every block
 
     @property
     def name(self) -> str:
@@ -87,4 +92,10 @@ ZOO: tuple[ZooModel, ...] = (
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
+    ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "
+             "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2,
+             sinks=True, engine=True),
+    ZooModel("deepseek_v3", "MLA (compressed q, latent 32 + rotary key 8, interleaved RoPE, YaRN mscale) over a "
+             "latent cache; grouped sigmoid routing with a shared expert, layer 0 dense", mla=True, moe_layers=1,
+             engine=True),
 )

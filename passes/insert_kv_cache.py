@@ -5,7 +5,9 @@ of the configured backend (``CompileConfig.attention_backend``, see
 ``autodeploy.ops.attention_backends``; all share the schema of ``autodeploy::paged_attention``) on
 [T, H, D] views, reading the batch metadata and its layer's
 cache from new graph inputs (``autodeploy.kvcache.metadata`` names them). The per-layer cache specs
-go to ``ctx.artifacts["kv_specs"]`` for allocate_kv_cache.
+go to ``ctx.artifacts["kv_specs"]`` for allocate_kv_cache. Each ``autodeploy::mla`` becomes the
+backend's paged MLA op (``autodeploy.ops.mla.MLA_OPS``) over a latent cache (one entry of latent +
+rotary key per token, ``KVCacheSpec.latent``); layers are numbered in graph order, whatever their kind.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from autodeploy.graph.meta import add_graph_input, propagate_meta
 from autodeploy.kvcache.metadata import METADATA_INPUTS
 from autodeploy.kvcache.pool import KVCacheSpec
 from autodeploy.ops.attention_backends import AttentionBackend, resolve_attention_backend
+from autodeploy.ops.mla import mla_op_for
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 aten = torch.ops.aten
@@ -36,29 +39,33 @@ class InsertKVCache(Pass):
 
     def apply(self, ctx: CompileContext) -> PassResult:
         gm = ctx.gm
-        attentions = list(gm.graph.find_nodes(op="call_function", target=torch.ops.autodeploy.attention.default))
-        if not attentions:
+        layers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CACHED_OPS]
+        if not layers:
             raise RuntimeError("no canonical attention in the graph; nothing to cache")
         backend = resolve_attention_backend(ctx.config.attention_backend, ctx.device)
-        for node in attentions:
-            backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
+        for node in layers:
+            if node.target == _MLA:
+                mla_op_for(backend.name, node.name)
+            else:
+                backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
         meta = {name: add_graph_input(gm, name, _example_metadata(name)) for name in METADATA_INPUTS}
         specs = []
-        for layer, node in enumerate(attentions):
-            spec = _spec(node, self.config.cache_dtype)
+        for layer, node in enumerate(layers):
+            spec_of, replace = (_mla_spec, _replace_mla) if node.target == _MLA else (_spec, _replace)
+            spec = spec_of(node, self.config.cache_dtype)
             cache = add_graph_input(gm, f"kv_cache_{layer}", _example_cache(spec))
-            _replace(gm, node, cache, meta, layer, backend)
+            replace(gm, node, cache, meta, layer, backend)
             specs.append(spec)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         ctx.artifacts["kv_specs"] = specs
         ctx.artifacts["attention_backend"] = backend.name
-        return PassResult(
-            len(attentions),
-            f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}, backend {backend.name}",
-        )
+        kinds = ", ".join(dict.fromkeys(s.describe() for s in specs))
+        return PassResult(len(layers), f"{len(layers)} layers, {kinds}, backend {backend.name}")
 
 
+_MLA = torch.ops.autodeploy.mla.default
+_CACHED_OPS = (torch.ops.autodeploy.attention.default, _MLA)
 _ATTENTION_ARGS = ("scale", "causal", "sliding_window", "logit_softcap", "sinks", "chunk_size", "alibi_slopes")
 _CARRIED = ("sliding_window", "logit_softcap", "sinks")  # always passed (None: off)
 _CARRIED_IF_USED = ("chunk_size", "alibi_slopes")  # passed only when used: other graphs stay as they were
@@ -97,12 +104,7 @@ def _replace(
             },
         )
         restored = graph.call_function(aten.unsqueeze.default, (out, 0))
-    new_nodes = [*flat, out, restored]
-    propagate_meta(gm, new_nodes)
-    for n in new_nodes:
-        n.meta["autodeploy_provenance"] = f"insert_kv_cache/layer{layer}/{backend.name}"
-    node.replace_all_uses_with(restored)
-    graph.erase_node(node)
+    _swap_in(gm, node, [*flat, out, restored], f"insert_kv_cache/layer{layer}/{backend.name}")
 
 
 def _example_metadata(name: str) -> torch.Tensor:
@@ -110,4 +112,33 @@ def _example_metadata(name: str) -> torch.Tensor:
 
 
 def _example_cache(spec: KVCacheSpec) -> torch.Tensor:
-    return torch.zeros(_EXAMPLE_BLOCKS, 2, _EXAMPLE_BLOCK, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
+    return torch.zeros(spec.shape(_EXAMPLE_BLOCKS, _EXAMPLE_BLOCK), dtype=spec.dtype)
+
+
+def _mla_spec(node: fx.Node, cache_dtype: str | None) -> KVCacheSpec:
+    c_kv, k_pe = (a.meta["val"] for a in node.args[2:4])
+    dtype = getattr(torch, cache_dtype) if cache_dtype else c_kv.dtype
+    return KVCacheSpec.latent(int(c_kv.shape[-1]), int(k_pe.shape[-1]), dtype)
+
+
+def _replace_mla(
+    gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, fx.Node], layer: int, backend: AttentionBackend
+) -> None:
+    """``mla`` (batch 1) -> the backend's paged MLA op on the flattened step."""
+    graph = gm.graph
+    q_nope, q_pe, c_kv, k_pe, w_kv_b, scale = node.args
+    with graph.inserting_before(node):
+        flat = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (q_nope, q_pe, c_kv, k_pe)]
+        step = [meta[n] for n in METADATA_INPUTS if n != "logits_indices"]
+        out = graph.call_function(mla_op_for(backend.name, node.name), (*flat, w_kv_b, cache, *step, scale))
+        restored = graph.call_function(aten.unsqueeze.default, (out, 0))
+    _swap_in(gm, node, [*flat, out, restored], f"insert_kv_cache/layer{layer}/{backend.name}")
+
+
+def _swap_in(gm: fx.GraphModule, node: fx.Node, new_nodes: list[fx.Node], provenance: str) -> None:
+    """Give ``new_nodes`` metadata and provenance; the last replaces ``node``."""
+    propagate_meta(gm, new_nodes)
+    for n in new_nodes:
+        n.meta["autodeploy_provenance"] = provenance
+    node.replace_all_uses_with(new_nodes[-1])
+    gm.graph.erase_node(node)

@@ -31,7 +31,7 @@ from .matcher import schema_values
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
 
-SEQUENCE_OPS = frozenset({ad.attention.default})  # history kept by the KV cache
+SEQUENCE_OPS = frozenset({ad.attention.default, ad.mla.default})  # history kept by the KV cache (MLA: its latent)
 TOKEN_LOCAL_CANONICAL_OPS = frozenset({
     ad.repeat_kv.default, ad.rope.default, ad.rms_norm.default, ad.swiglu.default, ad.moe.default,
 })

@@ -1,12 +1,15 @@
 """The paged KV pool: one layout for every attention backend, defined here only.
 
 Each attention layer owns one tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-(K at index 0, V at index 1; FlashInfer's "NHD" paged layout). A cache slot is
+(K at index 0, V at index 1; FlashInfer's "NHD" paged layout). An MLA layer (``autodeploy.ops.mla``)
+caches one entry per token shared by all heads instead: ``[num_blocks, block_size, r + dr]``, the
+normalized latent (``kv_lora_rank`` r) then the rotary key (``qk_rope_head_dim`` dr). A cache slot is
 ``block * block_size + offset``; the same block ids index every layer's tensor.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -14,14 +17,31 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one attention layer's cache, read off the graph by insert_kv_cache."""
+    """Shape of one attention layer's cache, read off the graph by insert_kv_cache. ``latent_rank``
+    > 0: an MLA layer's latent cache (one entry of ``head_dim`` = latent + rotary key per token)."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    latent_rank: int = 0
+
+    @classmethod
+    def latent(cls, rank: int, rope_dim: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return cls(num_kv_heads=1, head_dim=rank + rope_dim, dtype=dtype, latent_rank=rank)
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if self.latent_rank:
+            return (num_blocks, block_size, self.head_dim)
+        return (num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        entries = 1 if self.latent_rank else 2 * self.num_kv_heads
+        return entries * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        if self.latent_rank:
+            return f"MLA latent {self.latent_rank} + rotary key {self.head_dim - self.latent_rank}"
+        return f"{self.num_kv_heads} kv heads x {self.head_dim}"
 
 
 @dataclass(frozen=True)
@@ -29,6 +49,7 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     max_seq_len: int
+    layout: str = ""  # what one token holds (``KVPool.describe_layout``)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +68,7 @@ class KVCapacity:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
             f"{self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
+            + (f"; per token: {self.layout}" if self.layout else "")
         )
 
 
@@ -57,14 +79,18 @@ class KVPool:
         self.specs = specs
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.caches = [
-            torch.zeros(num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)
-            for s in specs
-        ]
+        self.caches = [torch.zeros(s.shape(num_blocks, block_size), dtype=s.dtype, device=device) for s in specs]
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         """The cache inputs of the compiled graph: ``kv_cache_<layer>``."""
         return {f"kv_cache_{i}": cache for i, cache in enumerate(self.caches)}
+
+    @staticmethod
+    def describe_layout(specs: list[KVCacheSpec]) -> str:
+        """What one token holds in the pool: bytes, and each kind of layer's entry."""
+        kinds = Counter(f"{s.describe()} {str(s.dtype).removeprefix('torch.')}" for s in specs)
+        layers = ", ".join(f"{n} x ({kind})" for kind, n in kinds.items())
+        return f"{sum(s.bytes_per_token() for s in specs)} bytes over {len(specs)} layers: {layers}"
 
     @staticmethod
     def bytes_per_block(specs: list[KVCacheSpec], block_size: int) -> int:

@@ -62,6 +62,11 @@ def test_no_guess_without_a_head_count():
     assert guess_attention_kinds(PretrainedConfig(), torch.float16) == []
 
 
+def test_no_paged_attention_guess_for_mla_models():
+    assert guess_attention_kinds(tiny_config("deepseek_v3"), torch.float16) == []
+    assert guess_attention_kinds(tiny_config("deepseek_v2"), torch.float16) == []
+
+
 def test_a_partial_rotary_factor_sets_the_rotary_dim():
     hf_config = tiny_config("llama", head_dim=16, partial_rotary_factor=0.5)
     assert {kind.rope for kind in guess_attention_kinds(hf_config, torch.float16)} == {(8, torch.float16, False)}
