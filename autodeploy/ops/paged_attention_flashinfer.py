@@ -40,6 +40,8 @@ def paged_attention_flashinfer(
     rope_interleaved: bool = False,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     unsupported = {"attention sinks": sinks, "chunked attention": chunk_size, "ALiBi": alibi_slopes}
     for feature, value in unsupported.items():
