@@ -27,7 +27,7 @@ COMPILE_FLAGS: list[tuple[str, type]] = [
     ("dtype", str), ("device", str), ("max_seq_len", int), ("max_batch_size", int), ("max_num_tokens", int),
     ("tokens_per_block", int), ("kv_cache_free_gpu_memory_fraction", float), ("num_kv_blocks", int),
     ("attn_implementation", str), ("attention_backend", str), ("weights", str), ("pipeline", str), ("tp_size", int),
-    ("quantization", str), ("kv_cache_dtype", str),
+    ("quantization", str),
 ]
 
 

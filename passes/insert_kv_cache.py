@@ -6,6 +6,11 @@ of the configured backend (``CompileConfig.attention_backend``, see
 [T, H, D] views, reading the batch metadata and its layer's
 cache from new graph inputs (``autodeploy.kvcache.metadata`` names them). The per-layer cache specs
 go to ``ctx.artifacts["kv_specs"]`` for allocate_kv_cache.
+
+The cache dtype is ``CompileConfig.kv_cache_dtype`` resolved against the checkpoint's quantization
+(``autodeploy.quantization.kv_cache``). An FP8 cache's per-tensor ``k_scale``/``v_scale`` (the
+checkpoint's, found under each attention's HF module, or 1.0) become arguments of each layer's op;
+other graphs are unchanged.
 """
 
 from __future__ import annotations
@@ -13,18 +18,20 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+import logging
+
 from autodeploy.graph.meta import add_graph_input, propagate_meta
+from autodeploy.graph.modules import layer_of
 from autodeploy.kvcache.metadata import METADATA_INPUTS
 from autodeploy.kvcache.pool import KVCacheSpec
 from autodeploy.ops.attention_backends import AttentionBackend, resolve_attention_backend
-from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
+from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
+from autodeploy.quantization.kv_cache import KVCacheFormat, kv_cache_format, read_kv_scales
+from autodeploy.quantization.source import stored_tensors
 
+log = logging.getLogger("autodeploy.kv_cache")
 aten = torch.ops.aten
 _EXAMPLE_BLOCKS, _EXAMPLE_BLOCK = 4, 16
-
-
-class InsertKVCacheConfig(PassConfig):
-    cache_dtype: str | None = None  # default: the attention's dtype
 
 
 class InsertKVCache(Pass):
@@ -32,7 +39,6 @@ class InsertKVCache(Pass):
     stage = Stage.CACHE_INIT
     requires = ("attention_canonical", "logits_gathered")
     ensures = ("kv_cache_inserted",)
-    Config = InsertKVCacheConfig
 
     def apply(self, ctx: CompileContext) -> PassResult:
         gm = ctx.gm
@@ -40,22 +46,27 @@ class InsertKVCache(Pass):
         if not attentions:
             raise RuntimeError("no canonical attention in the graph; nothing to cache")
         backend = resolve_attention_backend(ctx.config.attention_backend, ctx.device)
+        kv_format = kv_cache_format(ctx.config.kv_cache_dtype, ctx.checkpoint.path if ctx.checkpoint else None,
+                                    ctx.dtype)
         for node in attentions:
             backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
+        scales, scale_words = _kv_scales(ctx, kv_format, attentions)
         meta = {name: add_graph_input(gm, name, _example_metadata(name)) for name in METADATA_INPUTS}
         specs = []
         for layer, node in enumerate(attentions):
-            spec = _spec(node, self.config.cache_dtype)
+            spec = _spec(node, kv_format)
             cache = add_graph_input(gm, f"kv_cache_{layer}", _example_cache(spec))
-            _replace(gm, node, cache, meta, layer, backend)
+            _replace(gm, node, cache, meta, layer, backend, scales[layer] if scales else None)
             specs.append(spec)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         ctx.artifacts["kv_specs"] = specs
         ctx.artifacts["attention_backend"] = backend.name
+        ctx.artifacts["kv_cache_format"] = kv_format
         return PassResult(
             len(attentions),
-            f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}, backend {backend.name}",
+            f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}, backend {backend.name}, "
+            f"KV cache {kv_format.describe()}{scale_words}",
         )
 
 
@@ -68,19 +79,35 @@ def _attention_kwargs(node: fx.Node) -> dict:
     return dict(zip(_ATTENTION_ARGS, node.args[3:]), **node.kwargs)
 
 
-def _spec(node: fx.Node, cache_dtype: str | None) -> KVCacheSpec:
+def _kv_scales(ctx: CompileContext, kv_format: KVCacheFormat,
+               attentions: list[fx.Node]) -> tuple[list[tuple[float, float]] | None, str]:
+    """Each layer's (k_scale, v_scale) of an FP8 cache (None for another dtype), and words for the report."""
+    if not kv_format.fp8:
+        return None, ""
+    checkpoint = ctx.checkpoint
+    if checkpoint is None or ctx.config.weights != "checkpoint" or not checkpoint.is_safetensors:
+        return [(1.0, 1.0)] * len(attentions), ", scales 1.0"
+    modules = [layer[0] if (layer := layer_of(node)) else None for node in attentions]
+    scales, stored = read_kv_scales(checkpoint.weight_files, modules, stored_tensors(checkpoint))
+    if not stored and kv_format.checkpoint_asks:
+        log.warning("the checkpoint asks for an FP8 KV cache but stores no k_scale/v_scale: using 1.0")
+    return scales, ", per-tensor k/v scales from the checkpoint" if stored else ", scales 1.0"
+
+
+def _spec(node: fx.Node, kv_format: KVCacheFormat) -> KVCacheSpec:
     q, k, v = (a.meta["val"] for a in node.args[:3])
     kwargs = _attention_kwargs(node)
     if not kwargs.get("causal", True):
         raise RuntimeError(f"{node.name}: non-causal attention cannot use a KV cache")
     if k.shape[-1] != v.shape[-1] or q.shape[-1] != k.shape[-1]:
         raise RuntimeError(f"{node.name}: q/k/v head dims differ ({q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]})")
-    dtype = getattr(torch, cache_dtype) if cache_dtype else k.dtype
+    dtype = k.dtype if kv_format.model_dtype else kv_format.dtype
     return KVCacheSpec(num_kv_heads=int(k.shape[2]), head_dim=int(k.shape[3]), dtype=dtype)
 
 
 def _replace(
-    gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, fx.Node], layer: int, backend: AttentionBackend
+    gm: fx.GraphModule, node: fx.Node, cache: fx.Node, meta: dict[str, fx.Node], layer: int, backend: AttentionBackend,
+    kv_scales: tuple[float, float] | None,
 ) -> None:
     graph = gm.graph
     q, k, v = node.args[:3]
@@ -94,6 +121,7 @@ def _replace(
                 "scale": kwargs["scale"],
                 **{name: kwargs.get(name) for name in _CARRIED},
                 **{name: kwargs[name] for name in _CARRIED_IF_USED if kwargs.get(name) is not None},
+                **(dict(zip(("k_scale", "v_scale"), kv_scales)) if kv_scales else {}),  # an FP8 cache only
             },
         )
         restored = graph.call_function(aten.unsqueeze.default, (out, 0))

@@ -3,6 +3,10 @@
 Each attention layer owns one tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (K at index 0, V at index 1; FlashInfer's "NHD" paged layout). A cache slot is
 ``block * block_size + offset``; the same block ids index every layer's tensor.
+
+The dtype is the model's, or ``float8_e4m3fn`` for an FP8 KV cache (``CompileConfig.kv_cache_dtype``):
+one byte per element, so the same memory holds twice the tokens of a bf16 cache. Capacity counts
+bytes per element of the dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     max_seq_len: int
+    dtype: torch.dtype | None = None  # the pool's (None: not said)
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +49,9 @@ class KVCapacity:
         return self.num_tokens // self.max_seq_len
 
     def describe(self) -> str:
+        dtype = f" ({str(self.dtype).removeprefix('torch.')})" if self.dtype is not None else ""
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
             f"{self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
         )
 

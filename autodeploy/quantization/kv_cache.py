@@ -42,6 +42,11 @@ class KVCacheFormat:
     def fp8(self) -> bool:
         return self.dtype == FP8_KV_DTYPE
 
+    @property
+    def model_dtype(self) -> bool:
+        """Nothing asked for: the cache takes the dtype of each attention's keys (the model's)."""
+        return self.setting == "auto" and not self.fp8
+
     def describe(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
         if self.checkpoint_asks is None:
@@ -66,6 +71,13 @@ def resolve_kv_cache(setting: str, plan: QuantPlan | None, model_dtype: torch.dt
         f"{plan.method}: the checkpoint quantizes its KV cache as {asked}; autodeploy's quantized KV cache is FP8 "
         f"(e4m3) with per-tensor scales only. Pass --kv_cache_dtype {str(model_dtype).removeprefix('torch.')} to "
         "serve it with an unquantized KV cache")
+
+
+def kv_cache_format(setting: str, model_dir: Path | None, model_dtype: torch.dtype) -> KVCacheFormat:
+    """:func:`resolve_kv_cache` with the plan of the checkpoint in ``model_dir`` (None: no checkpoint)."""
+    from .readers import read_quant_plan
+
+    return resolve_kv_cache(setting, read_quant_plan(model_dir) if model_dir is not None else None, model_dtype)
 
 
 def read_kv_scales(

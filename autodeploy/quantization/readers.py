@@ -85,9 +85,16 @@ def _modelopt(section: dict[str, Any], where: str) -> QuantPlan:
     if algo == "NVFP4" and int(section.get("group_size") or 16) != 16:
         raise QuantizationError(f"{where}: ModelOpt NVFP4 with group_size {section['group_size']} (only 16 exists)")
     excluded = tuple(section.get("exclude_modules") or section.get("ignore") or ())
-    kv = section.get("kv_cache_quant_algo")
+    kv = section.get("kv_cache_quant_algo") or _modelopt_kv_scheme(section.get("kv_cache_scheme"))
     return QuantPlan(f"modelopt {algo}", _MODELOPT_FORMATS[algo], excluded, kv_cache=str(kv) if kv else None,
                      kv_cache_fp8=str(kv).upper() == "FP8")
+
+
+def _modelopt_kv_scheme(scheme: dict[str, Any] | None) -> str | None:
+    """ModelOpt's ``config.json`` spelling of its KV-cache algorithm (``kv_cache_scheme``, no strategy: per tensor)."""
+    if not scheme:
+        return None
+    return "FP8" if _is_fp8(scheme) and not scheme.get("dynamic") else _scheme_words(scheme)
 
 
 def _compressed_tensors(section: dict[str, Any]) -> QuantPlan:
