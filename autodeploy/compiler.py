@@ -98,7 +98,7 @@ def compile_config(
         passes=records,
         op_counts=canonical_op_counts(ctx.gm),
         quantization=tuple(summary.lines()) if (summary := ctx.artifacts.get("quantization")) else (),
-        kv_cache=kv.describe() if (kv := ctx.artifacts.get("kv_cache_format")) else "",
+        kv_cache=ctx.artifacts.get("kv_cache_words", ""),
     )
     model_dir = checkpoint.path if checkpoint else None
     return CompiledModel(

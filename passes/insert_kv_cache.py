@@ -15,10 +15,10 @@ other graphs are unchanged.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import fx
-
-import logging
 
 from autodeploy.graph.meta import add_graph_input, propagate_meta
 from autodeploy.graph.modules import layer_of
@@ -62,7 +62,7 @@ class InsertKVCache(Pass):
         gm.recompile()
         ctx.artifacts["kv_specs"] = specs
         ctx.artifacts["attention_backend"] = backend.name
-        ctx.artifacts["kv_cache_format"] = kv_format
+        ctx.artifacts["kv_cache_words"] = kv_format.describe() + scale_words
         return PassResult(
             len(attentions),
             f"{len(attentions)} layers, {specs[0].num_kv_heads} kv heads x {specs[0].head_dim}, backend {backend.name}, "
@@ -85,13 +85,18 @@ def _kv_scales(ctx: CompileContext, kv_format: KVCacheFormat,
     if not kv_format.fp8:
         return None, ""
     checkpoint = ctx.checkpoint
-    if checkpoint is None or ctx.config.weights != "checkpoint" or not checkpoint.is_safetensors:
-        return [(1.0, 1.0)] * len(attentions), ", scales 1.0"
-    modules = [layer[0] if (layer := layer_of(node)) else None for node in attentions]
-    scales, stored = read_kv_scales(checkpoint.weight_files, modules, stored_tensors(checkpoint))
-    if not stored and kv_format.checkpoint_asks:
-        log.warning("the checkpoint asks for an FP8 KV cache but stores no k_scale/v_scale: using 1.0")
-    return scales, ", per-tensor k/v scales from the checkpoint" if stored else ", scales 1.0"
+    stored = False
+    if checkpoint is not None and ctx.config.weights == "checkpoint" and checkpoint.is_safetensors:
+        modules = [layer[0] if (layer := layer_of(node)) else None for node in attentions]
+        scales, stored = read_kv_scales(checkpoint.weight_files, modules, stored_tensors(checkpoint))
+    if stored:
+        return scales, ", per-tensor k/v scales from the checkpoint"
+    asks = "asks for an FP8 KV cache but " if kv_format.checkpoint_asks else ""
+    log.warning("FP8 KV cache: the checkpoint %sstores no calibrated k_scale/v_scale; every layer uses 1.0 (vLLM's "
+                "default): keys and values are stored as e4m3 as they are, saturating at +-448 and losing precision "
+                "below 2^-6. A checkpoint calibrated by llm-compressor (kv_cache_scheme) or ModelOpt "
+                "(kv_cache_quant_algo FP8) brings its own scales", asks)
+    return [(1.0, 1.0)] * len(attentions), ", scales 1.0 (the checkpoint has none)"
 
 
 def _spec(node: fx.Node, kv_format: KVCacheFormat) -> KVCacheSpec:

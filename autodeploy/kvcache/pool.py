@@ -34,6 +34,7 @@ class KVCapacity:
     block_size: int
     max_seq_len: int
     dtype: torch.dtype | None = None  # the pool's (None: not said)
+    model_dtype: torch.dtype | None = None  # the attention's, where the pool's differs (an FP8 cache)
 
     @property
     def num_tokens(self) -> int:
@@ -48,12 +49,25 @@ class KVCapacity:
     def seqs_at_max_len(self) -> int:
         return self.num_tokens // self.max_seq_len
 
+    def dtype_words(self) -> str:
+        """The pool's dtype, and for a narrower one than the model's how many more tokens it holds."""
+        if self.dtype is None:
+            return "dtype not said"
+        words = _name(self.dtype)
+        if self.model_dtype is not None and self.model_dtype.itemsize > self.dtype.itemsize:
+            words += (f", {self.model_dtype.itemsize // self.dtype.itemsize}x the tokens of a {_name(self.model_dtype)} "
+                      "cache in the same memory")
+        return words
+
     def describe(self) -> str:
-        dtype = f" ({str(self.dtype).removeprefix('torch.')})" if self.dtype is not None else ""
         return (
-            f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
+            f"KV cache ({self.dtype_words()}): {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens, {self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
         )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class KVPool:

@@ -131,9 +131,15 @@ def test_producer_checkpoints_with_kv_scales(name, scales):
     assert result.token_agreement >= KV_AGREEMENT, result.summary()
 
 
-def test_fp8_kv_cache_on_an_unquantized_model(tiny_llama):
+def test_fp8_kv_cache_on_an_unquantized_model(tiny_llama, caplog):
+    import autodeploy
     from autodeploy.check import run_check
 
-    result = run_check(tiny_llama, steps=8, prompt_lens=(5, 19), kv_cache_dtype="fp8")
+    model = autodeploy.compile(tiny_llama, dtype="float32", device="cpu", max_seq_len=32, kv_cache_dtype="fp8")
+    assert "stores no calibrated k_scale/v_scale; every layer uses 1.0" in caplog.text
+    assert model.report.quantization_lines() == [
+        "none (weights in float32, KV cache float8_e4m3fn (--kv_cache_dtype fp8), scales 1.0 (the checkpoint has none))"]
+    assert model.capacity.dtype_words() == "float8_e4m3fn, 4x the tokens of a float32 cache in the same memory"
+    result = run_check(tiny_llama, steps=8, prompt_lens=(5, 19), compiled=model)
     assert result.max_rel_err <= KV_REL_TOL and result.token_agreement >= KV_AGREEMENT, result.summary()
     assert result.max_rel_err > 1e-4  # the cache is quantized: not the fp32 result
