@@ -242,11 +242,12 @@ def variants():
     # an FP8 (e4m3) KV cache: the decode launches of batch 64 (no split) and batch 1 (splits), prefill, RoPE
     yield ("attn fp8-kv decode gqa4 d128 (no split)", *_attention(kv_fp8=True, NUM_SPLITS=1), 4, 2)
     yield ("attn fp8-kv decode gqa4 d128 (split 4)", *_attention(kv_fp8=True), 4, 2)
+    fp8_options = paged_attention.rope_decode_tuning(32, fp8_pool=True)[1]  # (no register cap)
     yield ("attn fp8-kv rope decode b1 (32 keys, s16, PDL)",
            *_attention(kv_fp8=True, num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
-           {**options32, "launch_pdl": True})
+           {**fp8_options, "launch_pdl": True})
     yield ("attn fp8-kv rope decode gqa4 d128 (no split)", *_attention(kv_fp8=True, **dict(half, NUM_SPLITS=1)), 4,
-           2, options)
+           2, fp8_options)
     yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
     write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
     write_const = dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096)

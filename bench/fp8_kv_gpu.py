@@ -28,13 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels_gpu import PagedBatch, paged_batch
+
 import autodeploy.ops  # noqa: F401  (registers the ops)
 from autodeploy.ops.paged_attention import to_cache_dtype
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32  # the interpreter gets bf16 wrong
-HQ, HKV, D, PAGE = (32, 8, 128, 16) if CUDA else (4, 2, 32, 16)
+HQ, HKV, D = (32, 8, 128) if CUDA else (4, 2, 32)  # (page 16: kernels_gpu's)
 DECODES = [(64, 4096), (1, 4096), (64, 512)] if CUDA else [(4, 100)]
 MIXED = [(37, 5), (0, 70), (300, 1), (0, 0), (129, 1), (16, 33)]
 KERNEL_TOL, QUANT_TOL = 1e-2, 8e-2
@@ -43,36 +45,23 @@ FP8_MAX = 448.0
 
 @dataclass
 class Step:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    pool: torch.Tensor
-    meta: tuple  # query_lens, context_lens, cu_seqlens, block_table, slot_mapping
+    """One step's inputs (``kernels_gpu.PagedBatch``) run through a paged-attention op."""
+
+    batch: PagedBatch
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.batch.cache
 
     def run(self, op, cache: torch.Tensor, scales=(1.0, 1.0)) -> torch.Tensor:
-        return op(self.q, self.k, self.v, cache, *self.meta, D ** -0.5, None, None, None, None, None, False,
-                  None, None, *scales)
+        b = self.batch
+        return op(b.q, b.k, b.v, cache, b.query_lens, b.context_lens, b.cu_seqlens, b.block_table, b.slots,
+                  D ** -0.5, None, None, None, None, None, False, None, None, *scales)
 
 
 def make_step(seqs: list[tuple[int, int]], pad_tokens: int = 0) -> Step:
     """Sequences of (context_len, query_len) on shuffled pages of a random pool."""
-    pages = [-(-(c + n) // PAGE) for c, n in seqs]
-    order = torch.randperm(sum(pages) + 1, device=DEV)
-    table = torch.zeros(len(seqs), max(pages), dtype=torch.int64, device=DEV)
-    slots, used = [], 0
-    for b, ((ctx, n), count) in enumerate(zip(seqs, pages)):
-        table[b, :count] = order[used: used + count]
-        used += count
-        pos = torch.arange(ctx, ctx + n, device=DEV)
-        slots.append(table[b, pos // PAGE] * PAGE + pos % PAGE)
-    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=DEV))
-    query_lens = torch.tensor([n for _, n in seqs], device=DEV)
-    tokens = int(query_lens.sum()) + pad_tokens
-    rand = lambda *shape: torch.randn(*shape, device=DEV, dtype=DTYPE)  # noqa: E731
-    meta = (query_lens, torch.tensor([c for c, _ in seqs], device=DEV),
-            torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)), table, torch.cat(slots))
-    return Step(rand(tokens, HQ, D), rand(tokens, HKV, D), rand(tokens, HKV, D),
-                rand(sum(pages) + 1, 2, PAGE, HKV, D), meta)
+    return Step(paged_batch(seqs, HQ, HKV, D, pad_tokens, device=DEV, dtype=DTYPE))
 
 
 def fp8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, tuple[float, float]]:

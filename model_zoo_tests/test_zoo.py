@@ -75,7 +75,8 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
 # equality. e4m3 keeps 3 mantissa bits, each cached element within 2^-4 (6.25%) of itself; these models'
 # logits moved by 2-6% of the row's largest (llama, qwen3, gemma2, mistral, phi3), and their near-tied
 # logits flip a greedy token in 0-2 of 64 positions (each position is scored on the reference's stream).
-FP8_KV_MODELS = ("qwen3", "gemma2")  # q/k norms; softcap and sliding/full layers
+# (llama and qwen3 with an FP8 cache: tests/quant/test_kv_cache.py; gemma2 adds softcap and sliding/full layers)
+FP8_KV_MODELS = ("gemma2",)
 FP8_KV_REL_TOL, FP8_KV_AGREEMENT = 0.1, 0.9
 
 

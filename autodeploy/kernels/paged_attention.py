@@ -323,7 +323,7 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
-    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
+    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch, kv_cache.dtype == torch.float8_e4m3fn)
     has_window = sliding_window is not None and sliding_window > 0
     has_chunk = chunk_size is not None and chunk_size > 0
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else q  # (q: an unused pointer)
@@ -359,14 +359,16 @@ def _token_merge_fits(num_splits: int, group: int, head_dim: int) -> bool:
     return pad(num_splits) * pad(group) * max(16, pad(head_dim)) <= MAX_TOKEN_MERGE
 
 
-def rope_decode_tuning(block_n: int) -> tuple[int, dict]:
+def rope_decode_tuning(block_n: int, fp8_pool: bool = False) -> tuple[int, dict]:
     """(keys per block of the diagonal loop, compile options) of a decode launch with a fused RoPE.
 
     Rotating a block of new keys holds it and its partner halves in registers (without RoPE they go
     from global to shared memory by cp.async). A decode tile has only a few new keys: blocks of 16
     keep that cost small, and a cap of 128 registers keeps 4 programs of 128 threads per SM, as
-    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py)."""
-    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
+    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py). An FP8
+    pool's kernel (e4m3 widened for the dots, new keys quantized) spills inside the loops under that
+    cap: it runs uncapped, as its launches without RoPE do."""
+    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {} if fp8_pool else {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
 
 
 @dataclass(frozen=True)
@@ -384,7 +386,7 @@ class _RoPEArgs:
 
     @classmethod
     def of(cls, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, q: torch.Tensor,
-           launch: AttentionLaunch) -> "_RoPEArgs":
+           launch: AttentionLaunch, fp8_pool: bool = False) -> "_RoPEArgs":
         if cos is None:  # unused pointers; the kernel compiles exactly as without these arguments
             return cls(q, q, 0, ROPE_NONE.value, 0, launch.block_n, {})
         rot_dim = cos.shape[-1]
@@ -394,7 +396,7 @@ class _RoPEArgs:
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
-        block_n, options = rope_decode_tuning(launch.block_n) if launch.decode else (launch.block_n, {})
+        block_n, options = rope_decode_tuning(launch.block_n, fp8_pool) if launch.decode else (launch.block_n, {})
         mode = ROPE_INTERLEAVED if interleaved else ROPE_HALF
         return cls(cos, sin, cos.stride(0), mode.value, rot_dim, block_n, options)
 

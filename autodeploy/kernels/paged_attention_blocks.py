@@ -148,9 +148,11 @@ def _to_e4m3(x, scale):
 @triton.jit
 def _as_cached(x, cache_head, scale):
     """``x`` rounded through the pool's dtype as it is attended to (an FP8 pool: e4m3 of ``x / scale``)."""
-    if cache_head.dtype.element_ty == tl.uint8:
-        return _to_e4m3(x, scale)
-    return x.to(cache_head.dtype.element_ty)
+    if cache_head.dtype.element_ty == tl.uint8:  # (one return: the compiler types every return statement)
+        cached = _to_e4m3(x, scale)
+    else:
+        cached = x.to(cache_head.dtype.element_ty)
+    return cached
 
 
 @triton.jit
