@@ -239,9 +239,8 @@ def variants():
            *_attention(**dict(half, ROPE=ROPE_INTERLEAVED.value, ROT_DIM=64)), 4, 2, options)
     yield ("attn rope prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill, ROPE=ROPE_HALF.value,
                                                                     ROT_DIM=128), 8, 2)
-    # an FP8 (e4m3) KV cache: the decode launches of batch 64 (no split) and batch 1 (splits), prefill, RoPE
+    # an FP8 (e4m3) KV cache: the decode launches of batch 64 (no split) and batch 1 (splits, RoPE), prefill
     yield ("attn fp8-kv decode gqa4 d128 (no split)", *_attention(kv_fp8=True, NUM_SPLITS=1), 4, 2)
-    yield ("attn fp8-kv decode gqa4 d128 (split 4)", *_attention(kv_fp8=True), 4, 2)
     fp8_options = paged_attention.rope_decode_tuning(32, fp8_pool=True)[1]  # (no register cap)
     yield ("attn fp8-kv rope decode b1 (32 keys, s16, PDL)",
            *_attention(kv_fp8=True, num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
