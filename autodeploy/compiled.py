@@ -41,10 +41,12 @@ class CompileReport:
     passes: list  # PassRecord, in order
     op_counts: dict[str, int] = field(default_factory=dict)
     quantization: tuple[str, ...] = ()  # what the quantize pass did (QuantSummary.lines()); () if nothing
+    kv_cache: str = ""  # the KV cache's dtype and where it comes from (insert_kv_cache)
 
     def quantization_lines(self) -> list[str]:
         """What was quantized (format, layers, exclusions) and the KV cache's dtype."""
-        return list(self.quantization) or [f"none (weights and KV cache in {str(self.dtype).removeprefix('torch.')})"]
+        dtype = str(self.dtype).removeprefix("torch.")
+        return list(self.quantization) or [f"none (weights in {dtype}, KV cache {self.kv_cache or dtype})"]
 
     def pass_table(self) -> str:
         lines = [f"{'pass':<26}{'stage':<14}{'matches':>8}{'ms':>10}  detail"]

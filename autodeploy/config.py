@@ -49,6 +49,10 @@ class CompileConfig(BaseModel):
     attention_backend: str = Field(
         "auto", description="paged attention: auto (triton on CUDA, torch on CPU), torch, triton, flashinfer"
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="KV cache dtype: auto (FP8 where the checkpoint quantizes its KV cache, else the model "
+        "dtype), fp8 / fp8_e4m3 (float8_e4m3fn with the checkpoint's per-tensor k/v scales, or 1.0), or a float dtype"
+    )
     quantization: Literal["fp8", "nvfp4"] | None = Field(
         None, description="quantize a bf16/fp16 checkpoint while loading: fp8 (per-channel weights, dynamic "
         "per-token activations) or nvfp4 (weight-only); a quantized checkpoint needs no flag"

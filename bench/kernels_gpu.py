@@ -167,23 +167,23 @@ def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None) -> tu
 
 
 def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0,
-                head_major: bool = False) -> PagedBatch:
+                head_major: bool = False, device=DEV, dtype=BF16) -> PagedBatch:
     """Sequences of (context_len, query_len) on shuffled pages of a random bf16 cache. ``head_major``: the
     cache is stored [pages, 2, kv_heads, PAGE, head_dim] (each head's page contiguous, "HND") and passed as
     a view of the pool's logical [pages, 2, PAGE, kv_heads, head_dim] shape (the kernel reads strides)."""
-    meta, pages = paged_metadata(seqs, pad_tokens)
+    meta, pages = paged_metadata(seqs, pad_tokens, device)
     tokens = meta[-1].shape[0]
-    rand = lambda *shape: torch.randn(*shape, device=DEV, dtype=BF16)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
     return PagedBatch(rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim),
-                      rand(tokens, kv_heads, head_dim), _cache(pages, kv_heads, head_dim, head_major), *meta)
+                      rand(tokens, kv_heads, head_dim), _cache(pages, kv_heads, head_dim, head_major, device, dtype), *meta)
 
 
-def _cache(pages: int, kv_heads: int, head_dim: int, head_major: bool, device=DEV) -> torch.Tensor:
+def _cache(pages: int, kv_heads: int, head_dim: int, head_major: bool, device=DEV, dtype=BF16) -> torch.Tensor:
     """A random pool of the logical shape [pages, 2, PAGE, kv_heads, head_dim]; ``head_major`` stores it
     as [pages, 2, kv_heads, PAGE, head_dim] (a view)."""
     if head_major:
-        return torch.randn(pages, 2, kv_heads, PAGE, head_dim, device=device, dtype=BF16).transpose(2, 3)
-    return torch.randn(pages, 2, PAGE, kv_heads, head_dim, device=device, dtype=BF16)
+        return torch.randn(pages, 2, kv_heads, PAGE, head_dim, device=device, dtype=dtype).transpose(2, 3)
+    return torch.randn(pages, 2, PAGE, kv_heads, head_dim, device=device, dtype=dtype)
 
 
 def attention_cost(seqs: list[tuple[int, int]]) -> tuple[float, float]:

@@ -107,6 +107,26 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
         check_engine(compiled)
 
 
+# An FP8 (e4m3) KV cache with scale 1.0 (tiny random checkpoints have no calibrated scales): quality, not
+# equality. e4m3 keeps 3 mantissa bits, each cached element within 2^-4 (6.25%) of itself; these models'
+# logits moved by 2-6% of the row's largest (llama, qwen3, gemma2, mistral, phi3), and their near-tied
+# logits flip a greedy token in 0-2 of 64 positions (each position is scored on the reference's stream).
+# (llama and qwen3 with an FP8 cache: tests/quant/test_kv_cache.py; gemma2 adds softcap and sliding/full layers)
+FP8_KV_MODELS = ("gemma2",)
+FP8_KV_REL_TOL, FP8_KV_AGREEMENT = 0.1, 0.9
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("model_type", FP8_KV_MODELS)
+def test_canary_with_an_fp8_kv_cache(model_type, tmp_path):
+    model_dir = make_tiny_checkpoint(model_type, tmp_path / model_type)
+    compiled = compile_model(model_dir, dtype="float32", device="cpu", max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="fp8")
+    assert {spec.dtype for spec in compiled.pool.specs} == {torch.float8_e4m3fn}
+    result = run_check(model_dir, steps=STEPS, prompt_lens=PROMPT_LENS, compiled=compiled)
+    assert result.max_rel_err <= FP8_KV_REL_TOL and result.token_agreement >= FP8_KV_AGREEMENT, result.summary()
+    assert not result.failures, result.failures
+
+
 def test_readme_lists_every_architecture_with_its_status():
     rows = dict(re.findall(r"^\| `([\w-]+)` \| (\w+) \|", README.read_text(), flags=re.M))
     assert set(rows) == {m.name for m in ZOO}

@@ -63,7 +63,8 @@ class AllocateKVCache(Pass):
         ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        capacity = KVCapacity(num_blocks, block_size, max_seq_len, KVPool.describe_layout(specs))
+        capacity = KVCapacity(num_blocks, block_size, max_seq_len, KVPool.describe_layout(specs), specs[0].dtype,
+                              ctx.dtype)
         ctx.artifacts["kv_capacity"] = capacity
         log.info(capacity.describe())
         pending = len(ctx.artifacts.get("pending_kernels", ()))

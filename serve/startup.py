@@ -215,7 +215,7 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         "quantization " + "\n             ".join(report.quantization_lines()),
         f"compile      {seconds:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()),
         f"KV cache     {cap.num_blocks} blocks x {cap.block_size} tokens = {cap.num_tokens} tokens, "
-        f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len}",
+        f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len} ({cap.dtype_words()})",
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
         f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",

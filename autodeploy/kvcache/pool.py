@@ -5,6 +5,10 @@ Each attention layer owns one tensor ``[num_blocks, 2, block_size, num_kv_heads,
 caches one entry per token shared by all heads instead: ``[num_blocks, block_size, r + dr]``, the
 normalized latent (``kv_lora_rank`` r) then the rotary key (``qk_rope_head_dim`` dr). A cache slot is
 ``block * block_size + offset``; the same block ids index every layer's tensor.
+
+The dtype is the model's, or ``float8_e4m3fn`` for an FP8 KV cache (``CompileConfig.kv_cache_dtype``):
+one byte per element, so the same memory holds twice the tokens of a bf16 cache. Capacity counts
+bytes per element of the dtype.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class KVCapacity:
     block_size: int
     max_seq_len: int
     layout: str = ""  # what one token holds (``KVPool.describe_layout``)
+    dtype: torch.dtype | None = None  # the pool's (None: not said)
+    model_dtype: torch.dtype | None = None  # the attention's, where the pool's differs (an FP8 cache)
 
     @property
     def num_tokens(self) -> int:
@@ -64,12 +70,26 @@ class KVCapacity:
     def seqs_at_max_len(self) -> int:
         return self.num_tokens // self.max_seq_len
 
+    def dtype_words(self) -> str:
+        """The pool's dtype, and for a narrower one than the model's how many more tokens it holds."""
+        if self.dtype is None:
+            return "dtype not said"
+        words = _name(self.dtype)
+        if self.model_dtype is not None and self.model_dtype.itemsize > self.dtype.itemsize:
+            words += (f", {self.model_dtype.itemsize // self.dtype.itemsize}x the tokens of a {_name(self.model_dtype)} "
+                      "cache in the same memory")
+        return words
+
     def describe(self) -> str:
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
+            f"KV cache ({self.dtype_words()}): {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens, {self.seqs_at_max_len} sequences at max length {self.max_seq_len}"
             + (f"; per token: {self.layout}" if self.layout else "")
         )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class KVPool:

@@ -74,14 +74,15 @@ def test_a_partial_rotary_factor_sets_the_rotary_dim():
 
 def test_the_workers_get_exactly_the_kernels_the_warm_up_records_later():
     """Same JIT cache keys from the guess's two-page scratch cache as from a pool of any size: the warm-up's
-    launches find their kernels in the disk cache the workers filled."""
+    launches find their kernels in the disk cache the workers filled (an FP8 KV cache's variants too)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    for model_type in ("llama", "gemma2"):
-        child = subprocess.run([sys.executable, str(ROOT / "tests/kernels/early_compile_keys.py"), model_type],
+    for args in (["llama", "float16", "float8_e4m3fn"], ["gemma2"]):
+        child = subprocess.run([sys.executable, str(ROOT / "tests/kernels/early_compile_keys.py"), *args],
                                capture_output=True, text=True, env=env, timeout=300, check=False)
         assert child.returncode == 0, child.stderr[-3000:]
         keys = json.loads(child.stdout.strip().splitlines()[-1])
         assert keys["early"] and keys["early"] == keys["warm_up"]
+        assert len(set(keys["early"])) == len(keys["early"])  # an FP8 pool's kernels are variants of their own
 
 
 def _workers_with_jobs(monkeypatch):

@@ -17,6 +17,8 @@ from quant_fixtures import edit_json, fixture_dir
     ("llama_ct_fp8_block", "compressed-tensors FP8_BLOCK", "block", "group"),
     ("llama_modelopt_fp8", "modelopt FP8", "tensor", "static"),
     ("qwen3_modelopt_nvfp4", "modelopt NVFP4", "nvfp4", "none"),
+    ("llama_ct_fp8_kv", "compressed-tensors FP8_DYNAMIC", "channel", "token"),
+    ("qwen3_modelopt_fp8_kv", "modelopt FP8", "tensor", "static"),
 ])
 def test_producer_configs(name, method, scale, activations):
     plan = read_quant_plan(fixture_dir(name))

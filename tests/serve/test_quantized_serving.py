@@ -24,7 +24,8 @@ def test_serve_takes_the_quantization_flag(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_ct_fp8_dynamic", "qwen3_ct_fp8_static", "llama_ct_fp8_block",
-                                  "qwen3_moe_ct_fp8_dynamic", "llama_modelopt_fp8", "qwen3_modelopt_nvfp4"])
+                                  "qwen3_moe_ct_fp8_dynamic", "llama_modelopt_fp8", "qwen3_modelopt_nvfp4",
+                                  "llama_ct_fp8_kv"])  # (its reference rounds k/v through e4m3 as our cache does)
 def test_the_engine_serves_each_format(name):
     import torch
 
