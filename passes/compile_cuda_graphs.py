@@ -1,7 +1,7 @@
 """compile_cuda_graphs: capture decode steps as CUDA graphs (see ``autodeploy.cudagraph``).
 
-Skipped, with the reason in the pass table, on the CPU and with attention backends that synchronize
-with the host (the torch reference backend).
+Skipped, with the reason in the pass table, on the CPU, with attention backends that synchronize
+with the host (the torch reference backend), and with ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class CompileCudaGraphs(Pass):
 
         if ctx.device.type != "cuda":
             return PassResult(0, "skipped: not on CUDA")
+        if ctx.config.enforce_eager:
+            return PassResult(0, "skipped: enforce_eager")
         backend = ctx.artifacts["attention_backend"]
         if not ATTENTION_BACKENDS.get(backend).capturable:
             return PassResult(0, f"skipped: attention backend '{backend}' cannot be captured")

@@ -8,17 +8,21 @@ The port is bound before the model loads (as trtllm-serve does), so clients get 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .limits import RequestLimits
+
+MetricsPrefix = Literal["both", "autodeploy", "vllm"]  # (serve/metrics.py's; it imports the engine)
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -30,7 +34,9 @@ class ServeSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="address to bind (default: loopback only)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    served_model_name: str | None = Field(None, description="model name in the API (default: the model directory)")
+    served_model_name: list[str] | None = Field(
+        None, description="model names in the API, as vLLM's: the first is the one responses and /metrics give, "
+        "every one is accepted in requests (default: the model as given: its directory, file or Hub id)")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model directory)")
     chat_template: str | None = Field(None, description="chat template file or inline Jinja, replacing the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
@@ -42,11 +48,26 @@ class ServeSettings(BaseModel):
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT, seconds to let requests in flight "
                                  "finish before they are ended with an error")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="request limits (each one a flag)")
+    seed: int | None = Field(None, ge=0, description="seed of the engine's random numbers: requests without a "
+                             "seed sample the same tokens in the same order of arrival (as vLLM's --seed)")
+    generation_config: str = Field("auto", description="default sampling parameters: auto (the model's "
+                                   "generation_config.json), vllm (none), or a directory holding one")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description='JSON of defaults over the generation config, e.g. \'{"temperature": 0.5}\'')
+    metrics_prefix: MetricsPrefix = Field("both", description="/metrics names: both (autodeploy_* and vLLM's "
+                                          "vllm:*, which vLLM's Grafana dashboards query), autodeploy or vllm")
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "served_model_name", mode="before")
     @classmethod
-    def _one_or_more_keys(cls, value):
+    def _one_or_more(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_found(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not (Path(value).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"'{value}' is neither auto, vllm nor a directory holding a generation_config.json")
+        return value
 
     @property
     def requires_key(self) -> bool:
@@ -60,6 +81,7 @@ class LoadedModel:
     max_model_len: int
     report: str
     close: Callable[[], None] = lambda: None  # after the engine stopped (tensor parallel: stops the workers)
+    sampling_defaults: Any = None  # generation_config.SamplingDefaults (None: the API's own)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -74,10 +96,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str) -> LoadedModel:
     """Compile (with progress bars), load the tokenizer, start the engine; returns the report."""
+    import torch
+
     from autodeploy.compiler import compile as compile_model
 
     from .async_engine import AsyncEngine
     from .engine import Engine, EngineConfig
+    from .generation_config import load_sampling_defaults
     from .tokenizer import load_tokenizer
 
     options = dict(compile_options)
@@ -89,14 +114,18 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     # the resolved checkpoint (a .gguf input is converted into one), not the path the user gave
     tokenizer = load_tokenizer(settings.tokenizer or model.model_dir, settings.chat_template,
                                options.get("trust_remote_code", False))
+    defaults = load_sampling_defaults(settings.generation_config, model.model_dir, settings.override_generation_config)
     engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=settings.enable_prefix_caching))
+    if settings.seed is not None:  # the generator of requests without their own seed (every device's)
+        torch.manual_seed(settings.seed)
     async_engine = AsyncEngine(engine)
-    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
+    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer, defaults)
+    # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
+    loaded = LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report, sampling_defaults=defaults)
     if workers is None:
-        # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
-        return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report)
+        return loaded
     report = "\n".join([report, *workers.attach(model, async_engine.fail)])
-    return LoadedModel(async_engine, tokenizer, engine.max_total_tokens, report, workers.stop)
+    return dataclasses.replace(loaded, report=report, close=workers.stop)
 
 
 def _start_workers(model_dir: str, compile_options: dict[str, Any]):
@@ -109,7 +138,8 @@ def _start_workers(model_dir: str, compile_options: dict[str, Any]):
     return TensorParallelWorkers.start(model_dir, compile_options, level)
 
 
-def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
+def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer,
+                   defaults=None) -> str:
     report = model.report
     cap = model.capacity
     graphs = model.cuda_graphs
@@ -124,14 +154,15 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
         f"CUDA graphs  {cuda_graph_line(graphs)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
-        f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
+        f"defaults     {defaults.describe() if defaults else 'none'}" + (f"; seed {settings.seed}" if settings.seed is not None else ""),
+        f"serving      {', '.join(settings.served_model_name or ())} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
 
 
 def cuda_graph_line(graphs) -> str:
     if graphs is None:
-        return "none (not on CUDA, or an attention backend that cannot be captured)"
+        return "none (not on CUDA, --enforce_eager, or an attention backend that cannot be captured)"
     return f"decode batch sizes {', '.join(map(str, graphs.batch_sizes))} (captured in {graphs.capture_seconds:.1f} s)"
 
 

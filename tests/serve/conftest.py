@@ -104,13 +104,15 @@ class LiveServer:
 
 def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, **options):
     """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
-    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields."""
+    are ServerState fields (``api_key_file``, ``metrics_without_key``, ``metrics_prefix``...) or EngineConfig
+    fields."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
     from autodeploy.serve.limits import RequestLimits
     from autodeploy.serve.serving_common import ServerState
 
-    state_options = {k: options.pop(k) for k in ("api_key_file", "metrics_without_key") if k in options}
+    state_fields = ("api_key_file", "metrics_without_key", "metrics_prefix", "model_aliases", "sampling_defaults")
+    state_options = {k: options.pop(k) for k in state_fields if k in options}
     engine_options = options
     state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
     engine = AsyncEngine(Engine(compiled, tokenizer, EngineConfig(**engine_options)))
