@@ -25,10 +25,10 @@ class CompileCudaGraphs(Pass):
     def apply(self, ctx: CompileContext) -> PassResult:
         from autodeploy.kernels.precompile import threads_for
 
-        if ctx.device.type != "cuda":
-            return PassResult(0, "skipped: not on CUDA")
         if ctx.config.enforce_eager:
             return PassResult(0, "skipped: enforce_eager")
+        if ctx.device.type != "cuda":
+            return PassResult(0, "skipped: not on CUDA")
         backend = ctx.artifacts["attention_backend"]
         if not ATTENTION_BACKENDS.get(backend).capturable:
             return PassResult(0, f"skipped: attention backend '{backend}' cannot be captured")

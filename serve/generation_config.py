@@ -4,9 +4,8 @@
 Precedence, highest first: what the request sets > ``--override_generation_config`` > the
 generation config (``auto``: the model's ``generation_config.json``; ``DIR``: that directory's;
 ``vllm``: none) > the neutral defaults of the OpenAI API (temperature 1, top_p 1, no top_k...).
-Read, as vLLM reads them: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``
-(values equal to transformers' own defaults are not defaults: transformers' ``to_diff_dict``) and
-``max_new_tokens``, which becomes the ``max_tokens`` of requests that set none (never more than the
+Read, as vLLM reads them (through transformers' ``GenerationConfig.to_diff_dict``): ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens``, which becomes the ``max_tokens`` of requests that set none (never more than the
 context leaves). vLLM's one quirk kept: a ``max_new_tokens`` from ``DIR`` or from the override also
 caps the ``max_tokens`` requests set.
 """
