@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("compile", help="compile a checkpoint; print the per-pass table and canonical-op counts")
-    p.add_argument("model_dir", help="HF checkpoint directory (config.json + *.safetensors), or a .gguf file")
+    p.add_argument("model_dir", help="HF checkpoint directory (config.json + *.safetensors), a .gguf file, or a "
+                                     "Hugging Face Hub id")
     flag(p, "dump_graphs", metavar="DIR", help="write every intermediate graph to DIR")
     flag(p, "print_plan", action="store_true",
          help="print the tensor-parallel plan for --tp_size (no weights loaded, no processes) and exit")
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("check", help="correctness canary: compiled model vs HF eager; exits 1 on mismatch")
-    p.add_argument("model_dir", help="HF checkpoint directory, or a .gguf file")
+    p.add_argument("model_dir", help="HF checkpoint directory, a .gguf file, or a Hugging Face Hub id")
     p.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prompts (default 16)")
     flag(p, "prompt_lens", default="5,23,12,40", help="comma-separated prompt lengths (default 5,23,12,40)")
     flag(p, "chunk_size", type=int, default=16, help="prefill chunk size (default 16)")
