@@ -71,7 +71,7 @@ class CompileConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _one_memory_share(self) -> "CompileConfig":
+    def _one_memory_share(self) -> CompileConfig:
         if self.gpu_memory_utilization is not None and "kv_cache_free_gpu_memory_fraction" in self.model_fields_set:
             raise ValueError("set gpu_memory_utilization (a share of the GPU's total memory) or "
                              "kv_cache_free_gpu_memory_fraction (a share of the free memory), not both")

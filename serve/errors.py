@@ -45,7 +45,7 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param)
 
-    def response(self) -> "JSONResponse":
+    def response(self) -> JSONResponse:
         from fastapi.responses import JSONResponse  # (not at import: the CLI's --help imports this module)
 
         return JSONResponse(self.body(), status_code=self.status)

@@ -13,9 +13,10 @@ caps the ``max_tokens`` requests set.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from autodeploy.errors import ConfigError
 from autodeploy.sampling_params import SamplingParams

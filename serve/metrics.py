@@ -14,7 +14,7 @@ the older vLLM names that dashboards still query (``gpu_cache_usage_perc``,
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels are tested on the CPU through the interpreter (must be set before kernels are defined)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import autodeploy.ops  # noqa: E402, F401  (registers the canonical ops: `import autodeploy` is lazy)
+import autodeploy.ops  # noqa: F401  (registers the canonical ops: `import autodeploy` is lazy)
 
 
 @pytest.fixture(autouse=True)

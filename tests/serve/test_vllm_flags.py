@@ -124,7 +124,7 @@ def test_gpu_memory_utilization_is_a_share_of_the_total():
     from autodeploy.passes.allocate_kv_cache import kv_budget
 
     gib = 2**30
-    memory = dict(free=60 * gib, total=80 * gib, held=16 * gib, activations=2 * gib)  # 4 GiB held by others
+    memory = {"free": 60 * gib, "total": 80 * gib, "held": 16 * gib, "activations": 2 * gib}  # others hold 4 GiB
     assert kv_budget(CompileConfig(), **memory) == int(58 * gib * 0.9)
     assert kv_budget(CompileConfig(gpu_memory_utilization=0.5), **memory) == 40 * gib - 16 * gib - 2 * gib
     assert kv_budget(CompileConfig(gpu_memory_utilization=0.95), **memory) == 58 * gib  # never more than is free
