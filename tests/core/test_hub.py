@@ -58,7 +58,7 @@ def test_compile_and_serve_settings_take_a_hub_id(hub_cache, tiny_llama):
     model = autodeploy.compile("org/tiny", device="cpu", dtype="float32", max_seq_len=32, num_kv_blocks=8)
     assert model.model_dir == snapshot
     settings, options = serve_settings(build_parser().parse_args(["serve", "org/tiny", "--revision", "v2"]))
-    assert settings.served_model_name == "org/tiny"  # clients (guidellm) load its tokenizer by that name
+    assert settings.served_model_name == ["org/tiny"]  # clients (guidellm) load its tokenizer by that name
     assert options["revision"] == "v2"
 
 

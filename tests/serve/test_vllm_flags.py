@@ -129,3 +129,23 @@ def test_gpu_memory_utilization_is_a_share_of_the_total():
     assert kv_budget(CompileConfig(gpu_memory_utilization=0.5), **memory) == 40 * gib - 16 * gib - 2 * gib
     assert kv_budget(CompileConfig(gpu_memory_utilization=0.95), **memory) == 58 * gib  # never more than is free
     assert kv_budget(CompileConfig(gpu_memory_utilization=0.1), **memory) == 0  # the weights alone exceed it
+
+
+@pytest.mark.gpu
+def test_gpu_memory_utilization_bounds_the_process_on_a_gpu(tiny_dir):
+    """On a GPU: with --gpu_memory_utilization 0.3 (and no CUDA graphs) this process holds at most 30% of
+    the device's memory, most of it the KV pool; --enforce_eager leaves the graphs out."""
+    import torch
+
+    import autodeploy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    total = torch.cuda.mem_get_info()[1]
+    model = autodeploy.compile(tiny_dir, device="cuda", dtype="bfloat16", max_seq_len=256,
+                               gpu_memory_utilization=0.3, enforce_eager=True)
+    held = torch.cuda.memory_reserved()
+    print(f"gpu_memory_utilization 0.3 of {total / 2**30:.1f} GiB: this process holds {held / 2**30:.2f} GiB, "
+          f"{model.capacity.num_blocks} KV blocks")
+    assert 0.25 * total <= held <= 0.3 * total
+    assert model.cuda_graphs is None
