@@ -64,6 +64,7 @@ DASHBOARD_QUERIES = {
 }
 SELECTOR = re.compile(r'(vllm:[A-Za-z_:]+)\{([^}]*)\}')
 MATCHER = re.compile(r'(\w+)="([^"]*)"')
+GROUPING = re.compile(r'by\s*\((\w+)\)')
 
 
 def series(text: str) -> dict[str, list[dict[str, str]]]:
@@ -76,12 +77,15 @@ def series(text: str) -> dict[str, list[dict[str, str]]]:
 
 
 def selected(query: str, model_name: str, exposed: dict) -> list[tuple[str, int]]:
-    """Each series selector of ``query`` (its $model_name filled in) and how many exposed samples it selects."""
+    """Each series selector of ``query`` (its $model_name filled in) and how many exposed samples it selects
+    that also carry the labels the query groups by (``sum by(finished_reason)``)."""
     rendered = query.replace("$model_name", model_name).replace("$__rate_interval", "1m")
+    grouped_by = set(GROUPING.findall(rendered))
     out = []
     for name, matchers in SELECTOR.findall(rendered):
         wanted = dict(MATCHER.findall(matchers))
-        out.append((name, sum(all(labels.get(k) == v for k, v in wanted.items()) for labels in exposed.get(name, []))))
+        out.append((name, sum(all(labels.get(k) == v for k, v in wanted.items()) and grouped_by <= set(labels)
+                              for labels in exposed.get(name, []))))
     return out
 
 
@@ -97,6 +101,8 @@ def test_every_dashboard_query_finds_its_series(compiled, tokenizer):
         for query in queries:
             for name, count in selected(query, "tiny", exposed):
                 assert count > 0, f"panel '{panel}': no series {name}{{model_name=\"tiny\"}} in /metrics"
+    missing_label = 'sum by(no_such_label) (vllm:num_requests_running{model_name="$model_name"})'
+    assert selected(missing_label, "tiny", exposed) == [("vllm:num_requests_running", 0)]  # (the check can fail)
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")}
     assert samples["vllm:request_prompt_tokens_count"].value == 2  # two requests, each of two choices
     assert samples["vllm:request_max_num_generation_tokens_sum"].value == 8  # 4 per request, its longest choice
