@@ -20,7 +20,7 @@ class CompileConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = Field("auto", description="auto (checkpoint dtype), bfloat16, float16 or float32")
+    dtype: str = Field("auto", description="auto (checkpoint dtype), bfloat16, float16 (half) or float32 (float), as vLLM names them too")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     attn_implementation: Literal["eager", "sdpa"] = Field(
         "eager", description="HF attention code traced by export; both are canonicalized"

@@ -115,10 +115,13 @@ def resolve_dtype(config: PretrainedConfig, dtype: str | torch.dtype | None) -> 
     if dtype in (None, "auto"):
         value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         return getattr(torch, value) if isinstance(value, str) else value
-    try:
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
-    except AttributeError:
-        raise ModelLoadError(f"unknown dtype '{dtype}'") from None
+    # torch's names and the short ones; "half" and "float" as vLLM's --dtype takes them
+    resolved = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype) or getattr(
+        torch, str(dtype), None)
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ModelLoadError(f"unknown dtype '{dtype}'; known: auto, bfloat16 (bf16), float16 (half, fp16), "
+                             "float32 (float, fp32)")
+    return resolved
 
 
 def build_meta_model(

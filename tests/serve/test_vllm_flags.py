@@ -149,3 +149,25 @@ def test_gpu_memory_utilization_bounds_the_process_on_a_gpu(tiny_dir):
           f"{model.capacity.num_blocks} KV blocks")
     assert 0.25 * total <= held <= 0.3 * total
     assert model.cuda_graphs is None
+
+
+@pytest.mark.parametrize("name, expected", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                            ("fp16", "float16"), ("auto", "bfloat16")])
+def test_dtype_takes_vllms_names(name, expected):
+    import torch
+    from transformers import LlamaConfig
+
+    from autodeploy.model_loading import resolve_dtype
+
+    assert resolve_dtype(LlamaConfig(dtype="bfloat16"), name) == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("name", ["int8", "nn", "float64", "fp8"])
+def test_a_dtype_the_model_cannot_run_in_is_refused(name):
+    from transformers import LlamaConfig
+
+    from autodeploy.errors import ModelLoadError
+    from autodeploy.model_loading import resolve_dtype
+
+    with pytest.raises(ModelLoadError, match=f"unknown dtype '{name}'; known: auto"):
+        resolve_dtype(LlamaConfig(), name)
