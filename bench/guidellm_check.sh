@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # guidellm against `autodeploy serve` of the demo model, started with no options: the benchmark must
-# complete every request without an error. guidellm lives in its own virtual environment (it pins its
-# own torch and transformers):
+# complete every request without an error. guidellm lives in its own virtual environment (it needs
+# torch, datasets and sanic; the CPU build of torch is enough):
 #
-#     python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install guidellm
+#     python -m venv /tmp/guidellm-venv
+#     /tmp/guidellm-venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+#     /tmp/guidellm-venv/bin/pip install guidellm
 #     GUIDELLM=/tmp/guidellm-venv/bin/guidellm bash bench/guidellm_check.sh
 #
 # guidellm takes the first model /v1/models lists (the demo's Hub id, HuggingFaceTB/SmolLM2-135M-Instruct)
