@@ -31,13 +31,13 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 def compile(model_dir: str | Path, **options: Any) -> CompiledModel:  # noqa: A001 (public API name)
     """Compile the HF causal LM in ``model_dir`` (config.json + safetensors, or a ``.gguf`` file,
-    converted once into a cached checkpoint) for inference.
+    converted once into a cached checkpoint, or a Hugging Face Hub id) for inference.
 
     ``options`` are the fields of :class:`autodeploy.config.CompileConfig`.
     """
     config = validate(CompileConfig, options, "compile options")
     checkpoint = open_checkpoint(
-        resolve_model_path(model_dir),
+        resolve_model_path(model_dir, config.revision, config.allow_pickle),
         allow_pickle=config.allow_pickle,
         trust_remote_code=config.trust_remote_code,
         require_weights=config.weights == "checkpoint",

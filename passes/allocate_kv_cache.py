@@ -1,7 +1,9 @@
 """allocate_kv_cache: size the KV pool from the memory left after a profiling forward, allocate it.
 
 On CUDA: run one step of ``max_num_tokens`` tokens with a minimal cache, measure the activation
-peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool. On the CPU:
+peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool, or with
+``gpu_memory_utilization`` (vLLM's flag) that share of the device's total memory less what this process
+holds (see :func:`kv_budget`). On the CPU:
 ``kv_cache_cpu_bytes``, capped at what ``max_batch_size`` sequences of ``max_seq_len`` need. A fixed
 ``num_kv_blocks`` overrides both. Under tensor parallelism each rank sizes its own pool (its own
 key/value heads and free memory) and all take the smallest.
@@ -83,11 +85,13 @@ class AllocateKVCache(Pass):
         activations = self._profile(ctx, lambda: ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs()))
         del scratch, batch
         torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(ctx.device)
-        budget = int((free - activations) * cfg.kv_cache_free_gpu_memory_fraction)
-        log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB -> KV budget %.2f GiB",
-                 tokens, activations / 2**30, free / 2**30, budget / 2**30)
-        return max(0, budget)
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        held = torch.cuda.memory_reserved(ctx.device)
+        budget = kv_budget(cfg, free=free, total=total, held=held, activations=activations)
+        log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB, held %.2f GiB of %.2f GiB "
+                 "-> KV budget %.2f GiB", tokens, activations / 2**30, free / 2**30, held / 2**30, total / 2**30,
+                 budget / 2**30)
+        return budget
 
     def _profile(self, ctx: CompileContext, forward) -> int:
         """Activation bytes of ``forward`` (peak over the memory allocated before it). Its compiles are
@@ -111,6 +115,21 @@ class AllocateKVCache(Pass):
                 ctx.artifacts["pending_kernels"] = pending
             return torch.cuda.max_memory_allocated(ctx.device) - baseline
         raise AssertionError("unreachable: the real run returns or raises")
+
+
+def kv_budget(cfg, *, free: int, total: int, held: int, activations: int) -> int:
+    """Bytes for the KV pool on a GPU with ``free`` of ``total`` bytes free, ``held`` of them held by this
+    process's allocator (weights and other tensors) and a step's ``activations`` peak to leave room for.
+
+    ``kv_cache_free_gpu_memory_fraction`` (TensorRT-LLM's meaning): that share of what stays free after
+    the activations. ``gpu_memory_utilization`` (vLLM's): this process may use that share of the total
+    in all, so the pool gets it less what the process holds and the activations; never more than is free
+    (other processes' memory is not counted against the share, but cannot be taken either).
+    """
+    if cfg.gpu_memory_utilization is None:
+        return max(0, int((free - activations) * cfg.kv_cache_free_gpu_memory_fraction))
+    allowed = int(cfg.gpu_memory_utilization * total) - held - activations
+    return max(0, min(allowed, free - activations))
 
 
 # ops whose allocations (or host syncs) depend on the values they read, e.g. MoE routing sizes each

@@ -7,7 +7,7 @@ synchronize with the host (the torch reference backend) and with ops that do (Mo
 routing); piecewise graphs run those eagerly between the pieces, so they need neither, but rely on
 ``check_uncached_state`` having proved the graph token-local (padding rows stay in their rows). On
 the CPU nothing is captured; ``piecewise_on_cpu`` runs the piecewise path there with each piece
-called where a graph would replay (tests).
+called where a graph would replay (tests). ``enforce_eager`` (vLLM's ``--enforce-eager``) captures nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class CompileCudaGraphs(Pass):
     Config = CudaGraphConfig
 
     def apply(self, ctx: CompileContext) -> PassResult:
+        if ctx.config.enforce_eager:
+            return PassResult(0, "skipped: enforce_eager")
         cuda = ctx.device.type == "cuda"
         if not cuda and not self.config.piecewise_on_cpu:
             return PassResult(0, "skipped: not on CUDA")

@@ -277,22 +277,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def add_offline_parser(subparsers: Any) -> None:
-    from autodeploy.cli import add_compile_options, flag
-
-    p = subparsers.add_parser("offline", help="engine throughput and latency over synthetic requests")
-    p.add_argument("model_dir", help="HF checkpoint directory (with --weights random, config.json is enough)")
-    flag(p, "input_len", type=int, default=128, help="prompt tokens per request (default 128)")
-    flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
-    flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
-    flag(p, "concurrency", type=int, default=None, help="requests in flight at once (default: all)")
-    flag(p, "temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    flag(p, "enable_prefix_caching", action="store_true", help="reuse KV of shared prefixes (default off)")
-    flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
-    add_compile_options(p)
-    p.set_defaults(func=cmd_offline)
-
-
 def cmd_offline(args: argparse.Namespace) -> int:
     from autodeploy.cli import compile_options
     from autodeploy.compiler import compile as compile_model

@@ -173,8 +173,8 @@ def add_serving_parser(subparsers: Any) -> None:
     flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
     flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
     group = p.add_mutually_exclusive_group()
-    flag(group, "concurrency", type=int, default=None, help="requests in flight at once")
-    group.add_argument("--max-concurrency", dest="concurrency", type=int, help=argparse.SUPPRESS)  # vLLM's name
+    group.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
+                       help="requests in flight at once (--max-concurrency: vLLM's benchmark's name)")
     flag(group, "request_rate", type=float, default=None, help="Poisson arrivals per second")
     flag(p, "vocab_size", type=int, default=32000, help="random prompt ids are drawn below this (default 32000)")
     flag(p, "tokenizer", default=None, help="send text prompts of about --input_len tokens of this tokenizer (a "

@@ -70,6 +70,8 @@ class EngineStats:
 
     num_running: int  # sequences (a request with n choices has n)
     num_waiting: int
+    num_running_requests: int  # requests with a sequence running
+    num_waiting_requests: int  # requests with none running and one waiting
     num_blocks: int
     num_used_blocks: int
     prefix_cache_queries: int
@@ -167,9 +169,13 @@ class Engine:
         return len(self._requests)
 
     def stats(self) -> EngineStats:
+        running = {seq.request.request_id for seq in self.scheduler.running}
+        waiting = {seq.request.request_id for seq in self.scheduler.waiting} - running
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_running_requests=len(running),
+            num_waiting_requests=len(waiting),
             num_blocks=self.blocks.num_blocks,
             num_used_blocks=self.blocks.num_used,
             prefix_cache_queries=self.blocks.prefix_queries,

@@ -256,7 +256,7 @@ def start_engine_process(model_dir: str, settings, compile_options: dict[str, An
     client = EngineClient(process, info, tokenizer)
     report = f"{info.report}\nengine       in its own process (pid {info.pid}); HTTP, tokenization and " \
              "detokenization in this one"
-    return LoadedModel(client, tokenizer, info.max_total_tokens, report)
+    return LoadedModel(client, tokenizer, info.max_total_tokens, report, model_dir=info.model_dir)
 
 
 def fork_engine_process(engine, tokenizer: Any, log_level: str = "warning", timeline: str | None = None) -> EngineClient:

@@ -17,6 +17,7 @@ from autodeploy.sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, ServerShuttingDownError
 from .request_bounds import context_length_message
 from .errors import OpenAIError, bad_request, error_body
+from .generation_config import SamplingDefaults
 from .guards import APIKeys
 from .limits import RequestLimits
 from .metrics import Metrics
@@ -33,8 +34,9 @@ class ServerState:
     """What the handlers share. ``engine`` stays None while the model loads (503 until then).
 
     ``api_key`` (one or several) and ``api_key_file`` set the accepted keys (``guards.APIKeys``);
-    ``limits`` are the operator's request limits; ``draining`` is set on SIGTERM (503 from then on);
-    ``tools`` and ``reasoning_parser`` say how chat replies are read (tool calls, reasoning).
+    ``limits`` are the operator's request limits; ``sampling_defaults`` what requests that leave a sampling
+    parameter unset get; ``draining`` is set on SIGTERM (503 from then on); ``tools`` and
+    ``reasoning_parser`` say how chat replies are read (tool calls, reasoning).
     """
 
     served_model_name: str
@@ -44,6 +46,9 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tools: ToolSettings = field(default_factory=ToolSettings)
     reasoning_parser: str | None = None
+    metrics_prefix: str = "both"  # /metrics names: both, autodeploy or vllm
+    model_aliases: tuple[str, ...] = ()  # other names requests may use for the served model
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # generation_config.json's
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     max_model_len: int = 0
@@ -53,7 +58,8 @@ class ServerState:
     preprocess: Preprocessor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None)
+        self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None,
+                               self.metrics_prefix)
         self.keys = APIKeys(self.api_key, self.api_key_file)
 
     def attach(self, engine: AsyncEngine, tokenizer: Any, max_model_len: int) -> None:
@@ -72,8 +78,12 @@ class ServerState:
             raise OpenAIError(503, f"the engine has stopped: {self.engine.error}")
         return self.engine
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
+
     def check_model(self, name: str | None) -> None:
-        if name and name != self.served_model_name:
+        if name and name not in self.model_names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
 
 
@@ -83,7 +93,7 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
     state.limits.check_prompt_tokens(len(prompt_ids), state.max_model_len, prompt_param)
     if len(prompt_ids) >= state.max_model_len:
         raise bad_request(context_length_message(state.max_model_len, len(prompt_ids), requested), prompt_param)
-    max_tokens = requested if requested is not None else state.max_model_len - len(prompt_ids)
+    max_tokens = state.sampling_defaults.max_tokens_for(requested, state.max_model_len - len(prompt_ids))
     try:
         params = make_params(max_tokens)
         if state.tokenizer is None:
@@ -91,6 +101,7 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
         engine.check_request(prompt_ids, params)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    state.limits.check_logprobs(params)
     return params
 
 

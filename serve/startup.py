@@ -8,12 +8,14 @@ The port is bound before the model loads (as trtllm-serve does), so clients get 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +24,8 @@ from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 from .tools import ToolSettings
+
+MetricsPrefix = Literal["both", "autodeploy", "vllm"]  # (serve/metrics.py's; it imports the engine)
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -37,7 +41,9 @@ class ServeSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="address to bind (default: loopback only)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    served_model_name: str | None = Field(None, description="model name in the API (default: the model directory)")
+    served_model_name: list[str] | None = Field(
+        None, description="model names in the API, as vLLM's: the first is the one responses and /metrics give, "
+        "every one is accepted in requests (default: the model as given: its directory, file or Hub id)")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model directory)")
     chat_template: str | None = Field(None, description="chat template file or inline Jinja, replacing the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
@@ -68,10 +74,18 @@ class ServeSettings(BaseModel):
                                          + ", ".join(TOOL_PARSERS))
     reasoning_parser: str | None = Field(None, description="return <think>...</think> as reasoning_content: "
                                          + ", ".join(REASONING_PARSERS))
+    seed: int | None = Field(None, ge=0, description="seed of the engine's random numbers: requests without a "
+                             "seed sample the same tokens in the same order of arrival (as vLLM's --seed)")
+    generation_config: str = Field("auto", description="default sampling parameters: auto (the model's "
+                                   "generation_config.json), vllm (none), or a directory holding one")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description='JSON of defaults over the generation config, e.g. \'{"temperature": 0.5}\'')
+    metrics_prefix: MetricsPrefix = Field("both", description="/metrics names: both (autodeploy_* and vLLM's "
+                                          "vllm:*, which vLLM's Grafana dashboards query), autodeploy or vllm")
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "served_model_name", mode="before")
     @classmethod
-    def _one_or_more_keys(cls, value):
+    def _one_or_more(cls, value):
         return [value] if isinstance(value, str) else value
 
     @field_validator("tool_call_parser", "reasoning_parser")
@@ -92,6 +106,13 @@ class ServeSettings(BaseModel):
     def tool_settings(self) -> ToolSettings:
         return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser)
 
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_found(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not (Path(value).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"'{value}' is neither auto, vllm nor a directory holding a generation_config.json")
+        return value
+
     @property
     def requires_key(self) -> bool:
         return bool(self.api_key) or self.api_key_file is not None
@@ -104,6 +125,8 @@ class LoadedModel:
     max_model_len: int
     report: str
     close: Callable[[], None] = lambda: None  # after the engine stopped (tensor parallel: stops the workers)
+    sampling_defaults: Any = None  # generation_config.SamplingDefaults (None: the API's own)
+    model_dir: str = ""  # the resolved checkpoint (where its generation_config.json is)
 
 
 @dataclass
@@ -137,11 +160,22 @@ def uses_engine_process(settings: ServeSettings, compile_options: dict[str, Any]
 def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str,
                log_level: str = "warning", timeline=None) -> LoadedModel:
     """Compile (with progress bars), load the tokenizer, start the engine (here, or in its own process);
-    ``timeline``: this process's (the engine process opens its own)."""
+    ``timeline``: this process's (the engine process opens its own). The sampling defaults are read here,
+    where requests are parsed."""
+    from .generation_config import load_sampling_defaults
+
     if uses_engine_process(settings, compile_options):
         from .engine_client import start_engine_process
 
-        return start_engine_process(model_dir, settings, compile_options, url, log_level)
+        loaded = start_engine_process(model_dir, settings, compile_options, url, log_level)
+    else:
+        loaded = _load_here(model_dir, settings, compile_options, url, timeline)
+    defaults = load_sampling_defaults(settings.generation_config, loaded.model_dir, settings.override_generation_config)
+    return dataclasses.replace(loaded, sampling_defaults=defaults)
+
+
+def _load_here(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str,
+               timeline=None) -> LoadedModel:
     from .async_engine import AsyncEngine
 
     parts = build_engine(model_dir, settings, compile_options, url)
@@ -152,14 +186,18 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     start_watching_compiles(parts.engine, timeline)
     # the longest request the engine can hold: max_seq_len, or less when the KV pool is smaller
     return LoadedModel(async_engine, parts.engine.tokenizer, parts.engine.max_total_tokens, report,
-                       parts.workers.stop if parts.workers is not None else (lambda: None))
+                       parts.workers.stop if parts.workers is not None else (lambda: None),
+                       model_dir=str(parts.engine.model.model_dir or ""))
 
 
 def build_engine(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str) -> EngineParts:
     """Compile, load the tokenizer, build the engine and (``warm_up``) run its start-up requests."""
     from autodeploy.compiler import compile as compile_model
 
+    import torch
+
     from .engine import Engine
+    from .generation_config import load_sampling_defaults
     from .tokenizer import load_tokenizer
     from .warmup import warm_up_engine
 
@@ -176,7 +214,10 @@ def build_engine(model_dir: str, settings: ServeSettings, compile_options: dict[
     warmed = ""
     if settings.warm_up if settings.warm_up is not None else model.device.type == "cuda":
         warmed = warm_up_engine(engine).summary()
-    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
+    if settings.seed is not None:  # the generator of requests without their own seed (every device's)
+        torch.manual_seed(settings.seed)
+    defaults = load_sampling_defaults(settings.generation_config, model.model_dir, settings.override_generation_config)
+    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer, defaults)
     return EngineParts(engine, report + (f"\nwarm-up      {warmed}" if warmed else ""), workers)
 
 
@@ -206,7 +247,8 @@ def _start_workers(model_dir: str, compile_options: dict[str, Any]):
     return TensorParallelWorkers.start(model_dir, compile_options, level)
 
 
-def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
+def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer,
+                   defaults=None) -> str:
     report = model.report
     cap = model.capacity
     lines = [
@@ -221,7 +263,8 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
         f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
-        f"serving      {settings.served_model_name} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
+        f"defaults     {defaults.describe() if defaults else 'none'}" + (f"; seed {settings.seed}" if settings.seed is not None else ""),
+        f"serving      {', '.join(settings.served_model_name or ())} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
 
@@ -229,7 +272,7 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
 def cuda_graph_line(graphs, piecewise=None) -> str:
     """The decode graphs, and the piecewise graphs of the other steps when there are any."""
     if graphs is None:
-        line = "none (not on CUDA, or an attention backend that cannot be captured)"
+        line = "none (not on CUDA, --enforce_eager, or an attention backend that cannot be captured)"
     else:
         sizes = ", ".join(map(str, graphs.batch_sizes))
         line = f"decode batch sizes {sizes} (captured in {graphs.capture_seconds:.1f} s)"

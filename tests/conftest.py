@@ -12,6 +12,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+import autodeploy.ops  # noqa: F401  (registers the canonical ops: `import autodeploy` is lazy)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -27,6 +27,10 @@ from .scheme import LinearFormat, QuantPlan
 # activations (vLLM's and TensorRT-LLM's online FP8 too); nvfp4 as ModelOpt's NVFP4 weights
 ONLINE_FORMATS = {"fp8": LinearFormat("fp8", "channel", "token"), "nvfp4": LinearFormat("nvfp4", "nvfp4", "none")}
 ONLINE_METHODS = tuple(ONLINE_FORMATS)
+# vLLM's --quantization names of stored formats (the plan's method starts with the value): with a
+# checkpoint stored that way they only confirm it; with any other checkpoint they are an error
+CHECKPOINT_METHODS = {"modelopt": "modelopt FP8", "modelopt_fp4": "modelopt NVFP4",
+                      "compressed-tensors": "compressed-tensors", "fp8": "fp8 block"}
 
 
 def read_quant_plan(model_dir: Path | None, online: str | None = None) -> QuantPlan | None:
@@ -35,8 +39,13 @@ def read_quant_plan(model_dir: Path | None, online: str | None = None) -> QuantP
     if online is None:
         return stored
     if stored is not None:
+        if stored.method.startswith(CHECKPOINT_METHODS.get(online, "\0")):
+            return stored
         raise QuantizationError(f"--quantization {online}: the checkpoint is already quantized ({stored.method}); "
                                 "serve it as it is, without --quantization")
+    if online in CHECKPOINT_METHODS and online not in ONLINE_METHODS:
+        raise QuantizationError(f"--quantization {online} names a quantized checkpoint format, but this checkpoint "
+                                f"is not quantized; online quantization: {', '.join(ONLINE_METHODS)}")
     if online not in ONLINE_METHODS:
         raise QuantizationError(f"--quantization {online}: unknown method; known: {', '.join(ONLINE_METHODS)}")
     return QuantPlan(f"online {online}", ONLINE_FORMATS[online], excluded=("lm_head",), online=True)

@@ -113,10 +113,11 @@ class LiveServer:
 def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, engine_process=None,
                warm_up=False, timeline=None, **options):
     """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
-    are ServerState fields (``api_key_file``, ``metrics_without_key``, ``tools``, ``reasoning_parser``) or
-    EngineConfig fields. With ``engine_process`` (default: ``DEFAULT_ENGINE_MODE``) the engine runs in a forked
-    process of its own (as ``--engine_process on``), else on a thread of this one; ``warm_up`` runs the start-up
-    requests first (``--warm_up``); ``timeline``: the engine process's timeline file (``--timeline``)."""
+    are ServerState fields (``api_key_file``, ``metrics_without_key``, ``tools``, ``reasoning_parser``,
+    ``metrics_prefix``...) or EngineConfig fields. With ``engine_process`` (default: ``DEFAULT_ENGINE_MODE``) the
+    engine runs in a forked process of its own (as ``--engine_process on``), else on a thread of this one;
+    ``warm_up`` runs the start-up requests first (``--warm_up``); ``timeline``: the engine process's timeline file
+    (``--timeline``)."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
     from autodeploy.serve.engine_client import fork_engine_process
@@ -124,7 +125,8 @@ def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, l
     from autodeploy.serve.serving_common import ServerState
     from autodeploy.serve.warmup import warm_up_engine
 
-    state_fields = ("api_key_file", "metrics_without_key", "tools", "reasoning_parser")
+    state_fields = ("api_key_file", "metrics_without_key", "tools", "reasoning_parser", "metrics_prefix",
+                    "model_aliases", "sampling_defaults")
     state_options = {k: options.pop(k) for k in state_fields if k in options}
     engine_options = options
     state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
