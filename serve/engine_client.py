@@ -134,7 +134,7 @@ class EngineClient(EngineFrontEnd):
         self.process, self.info, self.tokenizer = process, info, tokenizer
         self.bounds = RequestBounds(info.vocab_size, info.max_seq_len, info.num_blocks, info.block_size)
         self.processor = OutputProcessor(tokenizer)
-        self._stats = EngineStats(0, 0, info.num_blocks, 0, 0, 0, 0)
+        self._stats = EngineStats(0, 0, 0, 0, info.num_blocks, 0, 0, 0, 0)
         self._stopping = False
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
         self._grammars_lock = threading.Lock()

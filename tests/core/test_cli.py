@@ -62,7 +62,7 @@ def test_compile_prints_pass_table_and_op_counts(capsys, tiny_llama, tmp_path):
     out = capsys.readouterr().out
     assert code == 0
     assert "canonicalize_attention" in out and "paged_attention=2" in out
-    assert "KV cache:" in out and any(dump.iterdir())
+    assert "KV cache (float32):" in out and any(dump.iterdir())
 
 
 def test_check_passes_on_a_good_model(capsys, tiny_llama):
