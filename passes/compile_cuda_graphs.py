@@ -1,5 +1,5 @@
 """compile_cuda_graphs: capture decode steps whole (``autodeploy.cudagraph``) and, with ``piecewise``
-(off by default), the pieces of every other step between its eager attention calls
+(on by default), the pieces of every other step between its eager attention calls
 (``autodeploy.piecewise``), in one memory pool. The pass table's detail says what was captured.
 
 Decode graphs are skipped, with the reason in the pass table, with attention backends that
@@ -28,7 +28,9 @@ class CudaGraphConfig(PassConfig):
     # other steps (prefills, mixed prefill + decode) of at most the largest token bucket: padded to their
     # bucket, the pieces between attention calls replay graphs captured per bucket. Off by default until
     # bench/mixed_steps.py has checked and timed it on a GPU; off, those steps run eagerly
-    piecewise: bool = False
+    # on since its check on an H100 (bench/mixed_steps.py, 2026-12-07: every padded step equal to eager; a mixed
+    # step's host time 34 -> 8.7 ms); false: prefill and mixed steps run eagerly
+    piecewise: bool = True
     # the token buckets (default: default_piecewise_sizes(max_num_tokens)); []: none, as piecewise=false
     piecewise_sizes: list[int] | None = None
     # tests: the piecewise path on the CPU (with piecewise), each piece called where its graph would replay
@@ -77,7 +79,7 @@ class CompileCudaGraphs(Pass):
         from autodeploy.kernels.precompile import threads_for
 
         if not self.config.piecewise:
-            return None, "piecewise graphs: off (--set passes.compile_cuda_graphs.piecewise=true captures mixed steps)"
+            return None, "piecewise graphs: off (passes.compile_cuda_graphs.piecewise=false)"
         if "state_is_kv_only" not in ctx.properties:
             return None, "piecewise graphs skipped: check_uncached_state did not prove padding rows stay apart"
         max_tokens = ctx.config.max_num_tokens

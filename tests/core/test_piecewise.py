@@ -252,14 +252,14 @@ def _apply_pass(model, properties=("state_is_kv_only",), **config):
     return ctx.artifacts.get("piecewise_graphs"), result.detail
 
 
-def test_piecewise_is_a_switch_off_by_default_and_its_sizes_are_set_by_config(compiled):
+def test_piecewise_is_a_switch_on_by_default_and_its_sizes_are_set_by_config(compiled):
     from autodeploy.config import parse_set_option
     from autodeploy.passes.compile_cuda_graphs import CudaGraphConfig
 
     model = compiled("llama")
     runner, detail = _apply_pass(model, piecewise=False)
-    assert runner is None and "piecewise graphs: off (--set passes.compile_cuda_graphs.piecewise=true" in detail
-    assert CudaGraphConfig().piecewise is False  # the default
+    assert runner is None and "piecewise graphs: off (passes.compile_cuda_graphs.piecewise=false)" in detail
+    assert CudaGraphConfig().piecewise is True  # the default (CUDA only: piecewise_on_cpu is for tests)
     key, value = parse_set_option("passes.compile_cuda_graphs.piecewise_sizes=[8, 100]")
     assert key == "passes.compile_cuda_graphs.piecewise_sizes" and value == [8, 100]
     runner, detail = _apply_pass(model, piecewise_sizes=value)
