@@ -54,6 +54,7 @@ class AllocateKVCache(Pass):
         else:
             budget = KVPool.blocks_for_budget(specs, block_size, cfg.kv_cache_cpu_bytes)
             num_blocks = min(budget, cfg.max_batch_size * blocks_per_seq)
+        num_blocks = _addressable(num_blocks, specs, block_size, explicit=bool(cfg.num_kv_blocks))
         if cfg.tp_size > 1:  # rank 0 hands out block ids for every rank's pool: all hold the fewest
             num_blocks = min_over_ranks(num_blocks)
         if num_blocks < blocks_per_seq:
@@ -172,3 +173,16 @@ def profiling_chunks(max_num_tokens: int, max_seq_len: int, max_batch_size: int,
         chunks.append(SequenceChunk(tuple([0] * n), 0, tuple(range(next_block, next_block + blocks))))
         next_block, left = next_block + blocks, left - n
     return chunks, next_block - 1
+
+
+def _addressable(num_blocks: int, specs: list, block_size: int, explicit: bool) -> int:
+    """``num_blocks``, capped at what the kernels' 32-bit offsets reach in one layer's tensor."""
+    limit = KVPool.max_addressable_blocks(specs, block_size)
+    if num_blocks <= limit:
+        return num_blocks
+    if explicit:
+        raise RuntimeError(f"num_kv_blocks {num_blocks}: a layer's KV tensor would hold more than 2^31 elements, "
+                           f"beyond the attention kernels' 32-bit offsets; at most {limit} blocks of {block_size}")
+    log.info("KV cache capped at %d blocks (from %d): a layer's tensor holds at most 2^31 elements, what the "
+             "attention kernels' 32-bit offsets reach", limit, num_blocks)
+    return limit

@@ -13,10 +13,16 @@ bytes per element of the dtype.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+# The Triton kernels address a layer's pool with 32-bit element offsets (page id x page stride in int32
+# keeps registers free in the key loop): a layer's tensor holds at most this many elements. A pool sized
+# by free memory can pass it (a small model on a large GPU: SmolLM2 on an H200 would), so it is capped.
+MAX_ELEMENTS_PER_LAYER = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -119,3 +125,8 @@ class KVPool:
     @classmethod
     def blocks_for_budget(cls, specs: list[KVCacheSpec], block_size: int, budget_bytes: int) -> int:
         return max(0, budget_bytes // max(1, cls.bytes_per_block(specs, block_size)))
+
+    @staticmethod
+    def max_addressable_blocks(specs: list[KVCacheSpec], block_size: int) -> int:
+        """The most blocks a layer's tensor may have: the kernels address it with 32-bit element offsets."""
+        return min(MAX_ELEMENTS_PER_LAYER // math.prod(s.shape(1, block_size)) for s in specs)
