@@ -443,7 +443,7 @@ class Engine:
 def _freeze_long_lived_objects() -> None:
     """Take everything alive now (the compiled graph's nodes, imported modules, the tokenizer) out
     of the garbage collector's scans. Its full collections walk every tracked object; with those
-    they took ~30% of the host's time per step at 490 sequences (``bench/engine_host.py``), and
+    they took ~30% of the host's time per step at 490 sequences (``bench/probes/engine_host.py``), and
     the step waits for them. What the engine allocates from now on is collected as usual."""
     gc.collect()
     gc.freeze()

@@ -16,16 +16,16 @@ from .pdl import Trigger
 
 # A split streams at least one block of this many keys (the block table's width, not the context, sets
 # the count: graphs are captured per batch size). 8B batch 1 x 512 keys between the GEMVs (H200,
-# bench/layer_chain.py, 2026-12-03, merge in one load of 16-byte vectors): 16 splits 7.6-7.8 us per
+# bench/probes/layer_chain.py, 2026-12-03, merge in one load of 16-byte vectors): 16 splits 7.6-7.8 us per
 # layer, 8 splits 10.2-10.3; at 64 keys, a 592-key table (max_seq_len 592) got 8.
 MIN_KEYS_PER_SPLIT = 32
-MAX_SPLITS = 32  # SmolLM2 (3 KV heads) at batch 1 x 512: 32 splits 7.1 us per layer, 64: 10.0 (bench/layer_chain.py)
+MAX_SPLITS = 32  # SmolLM2 (3 KV heads) at batch 1 x 512: 32 splits 7.1 us per layer, 64: 10.0 (bench/probes/layer_chain.py)
 DECODE_TOKENS_PER_SEQ = 4  # at most this many tokens per sequence on average: the decode launch
 # Programs wanted per SM before splitting the keys (H200 sweep, bench/kernels_gpu.py --sweep,
 # 2026-12-02): a decode program streams keys at its own latency-bound pace, so more programs than
 # ~1.5 per SM only add partial results to merge. 64 x 512 keys: 1 split 44 us, 4 splits 75 us;
 # 8 x 4096: 4 splits 61 us, 16 splits 69 us; 1 x 4096: 16 splits 25 us, 32 splits 29 us. At batch 1
-# between the GEMVs of a decode step (bench/layer_chain.py, 2026-12-03, 8B shape, 512 keys, splits
+# between the GEMVs of a decode step (bench/probes/layer_chain.py, 2026-12-03, 8B shape, 512 keys, splits
 # without keys skipping the merge): 4 splits 13.6 us per layer, 8: 11.5, 16: 11.8, 32: 15.8 (before
 # the merge's 16-byte loads; after them 8: 10.3, 16: 7.7).
 # A prefill program (~215 registers x 256 threads, 96 KB smem) fits one per SM and has plenty of

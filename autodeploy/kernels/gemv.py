@@ -184,7 +184,7 @@ class GemvLaunch:
     block_k: int
     num_warps: int = 4
     # PDL: where the next kernel may launch, and whether the first weight tile is loaded before the
-    # wait. All linears of an 8B decode step but the o projection (bench/gemv_gpu.py, H200,
+    # wait. All linears of an 8B decode step but the o projection (bench/probes/gemv_gpu.py, H200,
     # 2026-12-03, 8 x 1024 tiles): after the wait + preload 3.68 ms, at the start 3.67, after the
     # weight loop 3.70, without the preload 3.75; SmolLM2 0.329 / 0.329 / 0.343 / 0.358 ms. Trigger
     # at the start cascades (the next kernel's programs trigger while they wait, so kernels further
@@ -196,7 +196,7 @@ class GemvLaunch:
     def choose(cls, n: int, k: int, rows: int = 1) -> "GemvLaunch":
         # One row: 4 output features x K blocks of 1024 per program (32 fp32 accumulator registers,
         # 72 in all: seven programs per SM, 8 KB of weights in flight each; every weight row is read
-        # 2 KB at a time). All linears of a step incl. the o projection (H200, bench/gemv_gpu.py
+        # 2 KB at a time). All linears of a step incl. the o projection (H200, bench/probes/gemv_gpu.py
         # --sweep, 2026-12-03): 8B 3.47 ms (8 x 1024: 3.51; 16 x 512, 146 registers and three
         # programs per SM: 4.20; 4 x 512: 4.01), cuBLAS 3.98; SmolLM2 0.249 ms (0.254, 0.369,
         # 0.291), cuBLAS 0.660. Four rows: 16 x 128 (the accumulator is rows x features x K lanes).

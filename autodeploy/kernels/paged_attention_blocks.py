@@ -399,7 +399,7 @@ def _merge_token(
     With the split axis in the middle the compiler puts the warps on the group axis, so every
     reduction over splits stays inside a thread: after the last split arrives, the 8B shape's merge
     takes 1.1-1.5 us to its store instead of ~4.5 ([splits, group, dims], and the partials' strides
-    not specialized; H200, bench/layer_chain.py --timeline, 2026-12-03)."""
+    not specialized; H200, bench/probes/layer_chain.py --timeline, 2026-12-03)."""
     heads = tl.arange(0, GROUP_PAD)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)

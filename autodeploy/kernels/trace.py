@@ -3,7 +3,7 @@
 A kernel compiled with ``TRACE`` stores ``EVENTS`` int64 slots per program into a ``[programs,
 EVENTS]`` buffer: slot 0 holds the SM the program ran on, slots 1.. the ``%globaltimer`` (ns) at the
 kernel's numbered events. Without ``TRACE`` the probes compile to nothing, so the production kernels
-carry them at no cost; ``bench/layer_chain.py --timeline`` reads them to see where a decode step's
+carry them at no cost; ``bench/probes/layer_chain.py --timeline`` reads them to see where a decode step's
 microseconds go between kernels, which no profiler shows under PDL (the kernels overlap).
 
 A probe reads the clock only once ``dep`` is computed (it is an input of the timer's inline asm), so

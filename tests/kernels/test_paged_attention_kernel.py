@@ -286,7 +286,7 @@ def test_splits_share_the_visible_keys_in_whole_blocks(ctx_len, q_len, window, c
     """Every key visible to the tile falls to exactly one split, in whole blocks but the last share; at
     512 cached keys + 1 new over 16 splits of 32-key blocks: 9 splits of 64 keys, the last holding only
     the new key. (Sharing out the pooled keys alone, the new one going to the 16th split, measured
-    level on the H200: bench/layer_chain.py, 2026-12-03.) With a window or a chunk the shares start at
+    level on the H200: bench/probes/layer_chain.py, 2026-12-03.) With a window or a chunk the shares start at
     the first key the tile's first query sees."""
     shares, active = _split_shares(ctx_len, q_len, 16, window=window, chunk=chunk)
     first = max(ctx_len + 1 - window, 0) if window else 0  # the window of the tile's first query
