@@ -18,7 +18,8 @@ Threads suffice: Triton releases the GIL in its MLIR/LLVM passes and waits for p
 subprocess; only the Python AST -> TTIR code generation (~14% of an attention compile) holds it.
 bench/compile_parallel.py (retired, commit 63c458d) measured the speed-up on the 8B warm-up's kernels.
 The hooks are process-wide while they are set: run this at start-up, before anything else launches
-kernels on other threads. Needs a GPU (or a Triton driver); under ``TRITON_INTERPRET=1`` nothing compiles and the hooks never fire.
+kernels on other threads. Needs a GPU (or a Triton driver); under ``TRITON_INTERPRET=1`` nothing
+compiles and the hooks never fire.
 """
 
 from __future__ import annotations
