@@ -52,12 +52,3 @@ def as_jit_function(kernel) -> JITFunction:
         return kernel
     return JITFunction(kernel.fn, **kernel.kwargs)
 
-
-def describe(kernel, key: LaunchKey) -> str:
-    """A key with the argument names: ``name=value`` for constexprs, ``name:type/16`` for arguments
-    specialized as divisible by (ints) or aligned to (pointers) 16, ``name:type`` otherwise."""
-    names = as_jit_function(kernel).arg_names
-    parts = []
-    for arg, (kind, attr) in zip(names, key[0]):
-        parts.append(f"{arg}={attr}" if kind == "constexpr" else f"{arg}:{kind}{'/16' if attr == 'D' else ''}")
-    return ", ".join(parts + [f"{option}={value}" for option, value in key[1]])
