@@ -51,4 +51,3 @@ def as_jit_function(kernel) -> JITFunction:
     if isinstance(kernel, JITFunction):
         return kernel
     return JITFunction(kernel.fn, **kernel.kwargs)
-

@@ -79,8 +79,8 @@ _DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt"]
 # The step's metadata are views of one int64 buffer (kvcache/metadata.py) at offsets that follow its
 # token and sequence counts: whether each starts 16-byte aligned changes from step to step, and a
 # kernel specialized on it compiled while serving (8B on an H100: context_lens, block_table and
-# slot_mapping met unaligned by mixed steps, four compiles after ready). The loads they feed are
-# gathers and one short read of the lengths, which wide loads would hardly speed up.
+# slot_mapping met unaligned by mixed steps, four compiles after ready). Unspecialized, the variants
+# of bench/compile_sm90.py keep their registers, spills and load widths (prefills: the same SASS).
 METADATA_POINTERS = ["context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr"]
 
 
