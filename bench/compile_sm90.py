@@ -13,6 +13,7 @@ occupancy: such spills outside every loop cost a store and a load per program, a
 
     python bench/compile_sm90.py    # prints one table; exit status 1 if a variant fails or spills in a loop
     python bench/compile_sm90.py --sass DIR   # + each variant's SASS (addresses stripped) in DIR/<variant>.sass
+    python bench/compile_sm90.py --only attn  # the variants whose name contains "attn"
 
 ``--sass`` on two checkouts and ``diff -r`` shows whether a change left a variant's machine code as it
 was (a new constexpr switch must not change the variants that leave it off).
@@ -49,15 +50,18 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict
     """Triton's signature and the divisibility the JIT would find at run time: pointers, strides and
     hidden sizes divisible by 16, except the kernel's ``do_not_specialize`` arguments (the JIT leaves
     those unspecialized; assuming them divisible here once hid the 32 B spill and fewer vector loads
-    of the batch-1 attention the GPU actually ran)."""
+    of the batch-1 attention the GPU actually ran), and pointers the kernel marks
+    ``do_not_specialize_on_alignment``."""
     sig, attrs = {}, {}
-    unspecialized = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
+    named = lambda args: {kernel.arg_names[a] if isinstance(a, int) else a for a in args}  # noqa: E731
+    unspecialized, unaligned = named(kernel.do_not_specialize), named(kernel.do_not_specialize_on_alignment)
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
-            attrs[(index,)] = [["tt.divisibility", 16]]
+            if name not in unaligned:
+                attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
             if (name.startswith("stride") or name in DIVISIBLE_INTS) and name not in unspecialized:
@@ -293,6 +297,7 @@ def variants():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", type=Path, default=None, metavar="DIR", help="write each variant's SASS here")
+    parser.add_argument("--only", default="", metavar="TEXT", help="only the variants whose name contains TEXT")
     args = parser.parse_args()
     if args.sass is not None:
         args.sass.mkdir(parents=True, exist_ok=True)
@@ -300,6 +305,8 @@ def main() -> int:
     print(f"{'variant':<44} {'regs':>4} {'spill':>6} {'smem B':>8} w/st  compile  instructions")
     ok = True
     for name, kernel, pointers, constexprs, *launch in variants():
+        if args.only not in name:
+            continue
         row, good = compile_variant(name, kernel, pointers, constexprs, *launch, sass_dir=args.sass)
         ok &= good
         print(row, flush=True)

@@ -5,7 +5,8 @@ captures, ``warmup.warm_up_engine``), so every one of these after ready is a fin
 warning, counted by kind (``autodeploy_compiles_after_ready_total{kind}``), written to the timeline.
 
 - ``triton``: a Triton kernel specialization compiled (or loaded from Triton's disk cache) at its
-  launch, seen through Triton's ``jit_post_compile_hook``;
+  launch, seen through Triton's ``jit_post_compile_hook``; the detail names the variant exactly
+  (:func:`describe_triton_compile`);
 - ``torch_compile``: a torch.compile (Dynamo) compilation, seen through Dynamo's end-of-compile
   callbacks;
 - ``cuda_graph``: a CUDA graph captured (the compiled model's graph count grew);
@@ -92,7 +93,8 @@ class CompileWatch:
         runtime.jit_post_compile_hook = self._on_triton_compile
 
     def _on_triton_compile(self, **kwargs) -> None:
-        self.record("triton", str(kwargs.get("repr") or kwargs.get("key")))
+        self.record("triton", describe_triton_compile(kwargs.get("fn"), kwargs.get("compile"))
+                    or str(kwargs.get("repr") or kwargs.get("key")))
         if self._previous_triton_hook is not None:
             self._previous_triton_hook(**kwargs)
 
@@ -113,3 +115,25 @@ def _triton_runtime():
     except ImportError:
         return None
     return getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+def describe_triton_compile(fn: Any, compile: dict | None) -> str | None:
+    """``kernel[num_warps=.., num_stages=..](NAME=value, ..., arg:type/16, arg:type, ...)`` from the
+    ``fn``/``compile`` arguments of Triton's ``jit_post_compile_hook``: each constexpr's value and what
+    the JIT specialized every other argument on (``/16``: an int divisible by 16 or a pointer aligned
+    to 16 bytes; an int equal to 1 is a constexpr), i.e. the whole cache key but the other options.
+    (Triton's own ``repr`` argument reads the key wrongly and ends after the first argument.) None
+    where the hook got no ``compile`` dict."""
+    if not compile or "signature" not in compile:
+        return None
+    constants = compile.get("constants") or {}
+    attrs = (compile.get("configs") or [{}])[0]
+    args = []
+    for index, (name, kind) in enumerate(compile["signature"].items()):
+        if kind == "constexpr":
+            args.append(f"{name}={constants.get((index,))}")
+        else:
+            divisible = any(attr[0] == "tt.divisibility" for attr in attrs.get((index,), ()))
+            args.append(f"{name}:{kind}{'/16' if divisible else ''}")
+    name = getattr(fn, "name", None) or "kernel"
+    return f"{name}[num_warps={compile.get('num_warps')}, num_stages={compile.get('num_stages')}]({', '.join(args)})"

@@ -151,7 +151,7 @@ def _render_run(i: int, run: RunStats) -> list[str]:
         f"  api: event-loop lag max {run.loop_lag_max_ms:.1f} ms; {run.sse_writes} SSE writes, {run.sse_send_ms:.0f} ms "
         f"in send; GC {run.api_gc_ms:.0f} ms",
         f"  compiles after ready: {len(run.compiles)}" + "".join(
-            f"\n    +{c['t']:.2f} s {c['kind']}: {c['detail'][:120]}" for c in run.compiles[:10]),
+            f"\n    +{c['t']:.2f} s {c['kind']}: {c['detail']}" for c in run.compiles[:10]),
         "  slowest steps: " + "; ".join(
             f"+{s['t']:.2f} s {s['kind']} {s['ms']:.1f} ms ({s.get('seqs', 0)} seqs, {s.get('tokens', 0)} tokens"
             + (f", GC {s['gc_ms']:.0f} ms" if s.get("gc_ms", 0) >= 1 else "")

@@ -6,6 +6,10 @@ step's requests wait). Configs follow from shapes only (``AttentionLaunch.choose
 count, the block-table width and whether the step is decode-like. So the configs an engine can
 meet (its max batch, max tokens per step and max blocks per sequence) can be enumerated, and each
 launched once on synthetic inputs that attend to their own new keys and write nothing to the cache.
+Beyond the config, Triton keys a compile on what it specializes the other arguments on: the kernel
+specializes on nothing that changes from step to step (``_DYNAMIC_ARGS``, ``METADATA_POINTERS`` in
+``paged_attention.py``), so the synthetic tensors here stand for every step's
+(tests/kernels/test_attention_warmup.py compares the keys of served step mixes with these).
 """
 
 from __future__ import annotations

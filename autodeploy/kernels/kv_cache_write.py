@@ -19,7 +19,9 @@ import triton.language as tl
 from .paged_attention_blocks import _to_e4m3
 
 
-@triton.jit
+# num_seqs and the metadata views' alignment change from step to step (paged_attention.METADATA_POINTERS):
+# specialized, the first mixed steps of a server would compile while requests wait
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["slot_ptr", "cu_seqlens_ptr"])
 def _write_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr, out_ptr, cu_seqlens_ptr, num_seqs,
     stride_kt, stride_kh, stride_vt, stride_vh,

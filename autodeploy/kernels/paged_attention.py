@@ -76,9 +76,15 @@ ROPE_DECODE_MAX_REGISTERS = 128
 # change with the step's tokens too, but ``_partials`` pads them to multiples of 16 elements: they
 # are specialized as such, which lets the merge load partial rows 16 bytes at a time.)
 _DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt"]
+# The step's metadata are views of one int64 buffer (kvcache/metadata.py) at offsets that follow its
+# token and sequence counts: whether each starts 16-byte aligned changes from step to step, and a
+# kernel specialized on it compiled while serving (8B on an H100: context_lens, block_table and
+# slot_mapping met unaligned by mixed steps, four compiles after ready). Unspecialized, the variants
+# of bench/compile_sm90.py keep their registers, spills and load widths (prefills: the same SASS).
+METADATA_POINTERS = ["context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr"]
 
 
-@triton.jit(do_not_specialize=_DYNAMIC_ARGS)
+@triton.jit(do_not_specialize=_DYNAMIC_ARGS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, sinks_ptr,
     cos_ptr, sin_ptr, context_lens_ptr, cu_seqlens_ptr, block_table_ptr, slot_ptr, trace_ptr, num_seqs, num_tokens,

@@ -9,7 +9,12 @@ import types
 
 import httpx
 import torch
+import triton
+import triton.language as tl
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
 
+from autodeploy.kernels.launch_keys import SM90, as_jit_function
 from autodeploy.ops.blas_choice import CHOOSER
 from autodeploy.serve.compile_watch import KINDS, CompileWatch
 from autodeploy.serve.timeline_report import load, render, runs
@@ -40,6 +45,35 @@ def test_the_watch_counts_each_kind_of_compile_after_start_and_nothing_before():
     assert counts == {"triton": 1, "torch_compile": 1, "cuda_graph": 1, "gemm_timing": 1}
     assert sorted(heard) == sorted(KINDS)
     assert triton.knobs.runtime.jit_post_compile_hook is None  # stop() put Triton's hook back
+
+
+@triton.jit(do_not_specialize=["steps"])
+def _probe_kernel(aligned_ptr, shifted_ptr, rows, cols, one, steps, scale, BLOCK: tl.constexpr):
+    pass
+
+
+def _compile_hook_as_the_jit_calls_it(kernel, *args, **kwargs) -> None:
+    """Call ``jit_post_compile_hook`` as Triton's JIT does after compiling this launch (sm_90 target):
+    the specialization from its binder, the signature and attributes from its ``_pack_args``."""
+    jit, backend = as_jit_function(kernel), make_backend(SM90)
+    bound, specialization, options = create_function_from_signature(jit.signature, jit.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
+    jit._call_hook(triton.knobs.runtime.jit_post_compile_hook, str(specialization), signature, 0, constexprs, options,
+                   [attrs], False)
+
+
+def test_the_watch_names_the_whole_specialization_of_a_triton_compile():
+    """Constexprs, ints divisible by 16 or equal to 1, 16-byte aligned pointers: which variant compiled."""
+    heard = []
+    watch = CompileWatch(None, on_event=lambda kind, detail: heard.append(detail))
+    buffer = torch.zeros(64, dtype=torch.int64)
+    watch.start()
+    try:
+        _compile_hook_as_the_jit_calls_it(_probe_kernel, buffer, buffer[1:], 48, 5, 1, 32, 0.5, BLOCK=64, num_warps=8)
+    finally:
+        watch.stop()
+    assert heard == ["_probe_kernel[num_warps=8, num_stages=3](aligned_ptr:*i64/16, shifted_ptr:*i64, rows:i32/16, "
+                     "cols:i32, one=1, steps:i32, scale:fp32, BLOCK=64)"]
 
 
 def _compiles_after_ready(metrics: str) -> dict[str, float]:
