@@ -14,31 +14,30 @@ import torch
 
 from autodeploy.check import run_check
 from autodeploy.compiler import compile as compile_model
-from autodeploy.cudagraph import CudaGraphRunner, _Captured
+from autodeploy.cudagraph import CudaGraphRunner, DirectStepGraph, _Captured
 from autodeploy.tiny import make_tiny_checkpoint
 
 
-class ReplayStandIn:
-    """What ``torch.cuda.CUDAGraph`` does for the runner: ``replay`` recomputes the captured output in place
-    from the static inputs as they are now."""
+class CountingStandIn(DirectStepGraph):
+    """The CPU stand-in of a captured graph (a replay recomputes the step in place from the static inputs as
+    they are now), counting its replays."""
 
-    def __init__(self, gm, inputs: dict):
-        self.gm, self.inputs, self.replays = gm, inputs, 0
-        with torch.inference_mode():
-            self.output = gm(**inputs)
+    replays = 0
 
-    def replay(self) -> None:
-        with torch.inference_mode():
-            self.output.copy_(self.gm(**self.inputs))
+    def replay(self):
         self.replays += 1
+        with torch.inference_mode():
+            return super().replay()
 
 
-def capture_on_cpu(runner: CudaGraphRunner) -> dict[int, ReplayStandIn]:
+def capture_on_cpu(runner: CudaGraphRunner) -> dict[int, CountingStandIn]:
     stand_ins = {}
     for size in runner.batch_sizes:
         buffers, pad, inputs = runner._static_step(size)
-        stand_ins[size] = ReplayStandIn(runner.gm, inputs)
-        runner.graphs[size] = _Captured(stand_ins[size], buffers, pad, stand_ins[size].output)
+        stand_ins[size] = CountingStandIn()
+        with torch.inference_mode():
+            output = stand_ins[size].capture(runner.gm, inputs, f"the decode step of {size}", "batch_sizes=[]")
+        runner.graphs[size] = _Captured(stand_ins[size], buffers, pad, output)
     return stand_ins
 
 
