@@ -59,9 +59,11 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
             compile_model(model_dir, **settings)
         return
     compiled = compile_model(model_dir, **settings)
-    layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
+    layers = zoo_model.attention_layers or compiled.hf_config.num_hidden_layers
     assert counts.get("paged_attention") == layers, f"attention layers not all canonicalized: {counts}"
+    state_ops = (counts.get("ssm_scan_cached", 0), counts.get("causal_conv1d_cached", 0))
+    assert state_ops == (zoo_model.state_layers,) * 2, f"state layers not all canonicalized: {counts}"
     assert attention_flags(compiled, "sliding_window") == list(zoo_model.windows)
     assert attention_flags(compiled, "chunk_size") == list(zoo_model.chunks)
     assert [slopes is not None for slopes in attention_flags(compiled, "alibi_slopes")] == [zoo_model.alibi] * layers

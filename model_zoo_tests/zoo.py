@@ -6,7 +6,9 @@ otherwise. ``windows`` is the sliding window each attention layer must end up wi
 causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
 layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
 README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
-not hold) has to stop with.
+not hold) has to stop with. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
+scan, each with its causal convolution), kept in the state pool beside the KV cache; ``attention_layers``
+the paged-attention layers when not every layer has one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class ZooModel:
     chunks: tuple[int | None, ...] = FULL
     alibi: bool = False  # every attention layer has ALiBi slopes
     moe_layers: int = 0
+    state_layers: int = 0  # ssm_scan_cached (and as many causal_conv1d_cached) in the compiled graph
+    attention_layers: int | None = None  # None: every layer
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
     slow: bool = False  # export alone takes ~20 s on the CI machine
@@ -85,6 +89,12 @@ ZOO: tuple[ZooModel, ...] = (
              refused=r"check_uncached_state' failed: the layer with state the KV cache does not hold in "
                      r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
+    ZooModel("bamba", "Mamba-2 layer (SSD scan, causal conv, gated RMSNorm) + attention layer: state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, slow=True),
+    ZooModel("nemotron_h", "Mamba-2 + attention + MLP-only layers (one sublayer each), state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
+    ZooModel("granitemoehybrid", "Mamba-2 + attention layer, MoE with Granite multipliers, state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, moe_layers=2),
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
 )

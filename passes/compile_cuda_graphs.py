@@ -1,13 +1,15 @@
 """compile_cuda_graphs: capture decode steps as CUDA graphs (see ``autodeploy.cudagraph``).
 
 Skipped, with the reason in the pass table, on the CPU and with attention backends that synchronize
-with the host (the torch reference backend).
+with the host (the torch reference backend), and for models with state ops (their torch references
+loop over the sequences on the host).
 """
 
 from __future__ import annotations
 
 from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
 from autodeploy.ops.attention_backends import ATTENTION_BACKENDS
+from autodeploy.ops.state_ops import has_state_ops
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
 
@@ -30,6 +32,8 @@ class CompileCudaGraphs(Pass):
         backend = ctx.artifacts["attention_backend"]
         if not ATTENTION_BACKENDS.get(backend).capturable:
             return PassResult(0, f"skipped: attention backend '{backend}' cannot be captured")
+        if has_state_ops(ctx.gm):
+            return PassResult(0, "skipped: the state ops (SSM scan, delta rule, causal conv) synchronize with the host")
         max_bs = ctx.config.max_batch_size
         sizes = sorted({min(s, max_bs) for s in (self.config.batch_sizes or default_batch_sizes(max_bs)) if s >= 1})
         pool = ctx.artifacts["kv_pool"]

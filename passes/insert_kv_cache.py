@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from autodeploy.graph.meta import add_graph_input, propagate_meta
-from autodeploy.kvcache.metadata import METADATA_INPUTS
+from autodeploy.kvcache.metadata import ATTENTION_INPUTS, METADATA_INPUTS
 from autodeploy.kvcache.pool import KVCacheSpec
 from autodeploy.ops.attention_backends import AttentionBackend, resolve_attention_backend
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
@@ -89,7 +89,7 @@ def _replace(
         flat = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (q, k, v)]  # [1, T, H, D] -> [T, H, D]
         out = graph.call_function(
             backend.op,
-            (*flat, cache, *(meta[n] for n in METADATA_INPUTS if n != "logits_indices")),
+            (*flat, cache, *(meta[n] for n in ATTENTION_INPUTS)),
             {
                 "scale": kwargs["scale"],
                 **{name: kwargs.get(name) for name in _CARRIED},

@@ -2,7 +2,9 @@
 
 Each attention layer owns one tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (K at index 0, V at index 1; FlashInfer's "NHD" paged layout). A cache slot is
-``block * block_size + offset``; the same block ids index every layer's tensor.
+``block * block_size + offset``; the same block ids index every layer's tensor. A model with
+recurrent or convolution state also has a :class:`~.state_pool.StatePool` (``state``), whose tensors
+the pool hands to the graph with its own.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .state_pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,10 @@ class KVCapacity:
 class KVPool:
     """Owns the cache tensors of all attention layers."""
 
-    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device | str):
+    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device | str,
+                 state: StatePool | None = None):
         self.specs = specs
+        self.state = state
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caches = [
@@ -63,8 +69,9 @@ class KVPool:
         ]
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
-        """The cache inputs of the compiled graph: ``kv_cache_<layer>``."""
-        return {f"kv_cache_{i}": cache for i, cache in enumerate(self.caches)}
+        """The cache inputs of the compiled graph: ``kv_cache_<layer>`` (and ``state_cache_<op>``)."""
+        caches = {f"kv_cache_{i}": cache for i, cache in enumerate(self.caches)}
+        return caches if self.state is None else {**caches, **self.state.as_kwargs()}
 
     @staticmethod
     def bytes_per_block(specs: list[KVCacheSpec], block_size: int) -> int:

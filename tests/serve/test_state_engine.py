@@ -1,0 +1,69 @@
+"""The engine on a model with recurrent state (a tiny Mamba-2 hybrid, nemotron_h): state slots are
+handed out with the KV blocks and come back on finish, abort and preemption; batching, chunked
+prefill, waiting for a slot, preemption and async scheduling never change what a request generates;
+prefix caching is off for such a model whatever the engine asks."""
+
+import pytest
+import torch
+from test_engine import run_batched, run_one_at_a_time, tokens
+
+from autodeploy import SamplingParams
+from autodeploy.serve.engine import Engine, EngineConfig
+
+SLOTS = 3  # the compiled model's max_batch_size: one state slot per sequence it can run
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    import autodeploy
+    from autodeploy.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_h"))
+    return autodeploy.compile(path, device="cpu", dtype="float32", max_batch_size=SLOTS, max_num_tokens=32,
+                              max_seq_len=96, num_kv_blocks=64, tokens_per_block=8)
+
+
+def _prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _all_returned(engine: Engine) -> bool:
+    return engine.blocks.num_used == 0 and engine.blocks.num_free_state_slots == SLOTS
+
+
+def test_more_requests_than_slots_wait_and_match_one_at_a_time(hybrid):
+    prompts = _prompts(hybrid.vocab_size, [3, 40, 7, 1, 30, 12])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = Engine(hybrid, None, EngineConfig(max_batch_size=6, max_num_tokens=16))
+    assert hybrid.num_state_slots == SLOTS and not engine.blocks.enable_prefix_caching
+    batched = run_batched(engine, prompts, params)
+    single = run_one_at_a_time(Engine(hybrid, None, EngineConfig()), prompts, params)
+    assert tokens(batched) == tokens(single)
+    assert _all_returned(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_rebuilds_state_and_matches_uncontended(hybrid, overlap):
+    prompts = _prompts(hybrid.vocab_size, [20, 12, 25], seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    uncontended = run_batched(Engine(hybrid, None, EngineConfig()), prompts, params)
+    tight = Engine(hybrid, None, EngineConfig(num_blocks=8, overlap=overlap))
+    contended = run_batched(tight, prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert tokens(contended) == tokens(uncontended)
+    assert _all_returned(tight)
+
+
+def test_abort_returns_blocks_and_state_slots(hybrid):
+    engine = Engine(hybrid, None, EngineConfig())
+    for i in range(4):
+        engine.add_request(str(i), list(range(3, 30)), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_free_state_slots == 0  # three running, the fourth waits for a slot
+    for i in range(4):
+        engine.abort_request(str(i))
+    assert _all_returned(engine) and not engine.has_unfinished_requests()
