@@ -95,6 +95,8 @@ ZOO: tuple[ZooModel, ...] = (
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
     ZooModel("granitemoehybrid", "Mamba-2 + attention layer, MoE with Granite multipliers, state pool",
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, moe_layers=2),
+    ZooModel("falcon_h1", "attention and Mamba-2 side by side in every layer, muP multipliers (a buffer its model's "
+             "_init_weights fills), state pool", state_layers=2),
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
 )

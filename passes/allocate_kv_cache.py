@@ -74,7 +74,7 @@ class AllocateKVCache(Pass):
             torch.cuda.synchronize(ctx.device)
         capacity = KVCapacity(num_blocks, block_size, max_seq_len)
         ctx.artifacts["kv_capacity"] = capacity
-        described = capacity.describe() + ("; " + state.capacity().describe() if state is not None else "")
+        described = capacity.describe() + (f"; state cache: {state.capacity().describe()}" if state is not None else "")
         log.info(described)
         pending = len(ctx.artifacts.get("pending_kernels", ()))
         deferred = f", {pending} kernels left to the warm-up's compile" if pending else ""

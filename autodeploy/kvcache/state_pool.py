@@ -39,8 +39,8 @@ class StateCapacity:
     def describe(self) -> str:
         per_seq = self.bytes_per_slot / 2**20
         total = self.num_slots * self.bytes_per_slot / 2**30
-        return (f"state cache: {self.num_slots} sequences x {per_seq:.2f} MiB = {total:.2f} GiB "
-                "(recurrent + conv state; prefix caching off)")
+        return (f"{self.num_slots} sequences x {per_seq:.3f} MiB = {total:.3f} GiB "
+                "(recurrent + conv state, one slot per running sequence; prefix caching off)")
 
 
 class StatePool:

@@ -67,3 +67,14 @@ def test_abort_returns_blocks_and_state_slots(hybrid):
     for i in range(4):
         engine.abort_request(str(i))
     assert _all_returned(engine) and not engine.has_unfinished_requests()
+
+
+def test_start_up_report_gives_kv_and_state_capacity_apart(hybrid):
+    from autodeploy.serve.startup import ServeSettings, startup_report
+
+    engine = Engine(hybrid, None, EngineConfig(enable_prefix_caching=True))
+    lines = startup_report(hybrid, engine, ServeSettings(served_model_name="tiny"), "http://x", 1.0, None).splitlines()
+    assert any(line.startswith("KV cache     64 blocks x 8 tokens") for line in lines)
+    (state,) = [line for line in lines if line.startswith("state cache")]
+    assert state.startswith(f"state cache  {SLOTS} sequences x ") and "prefix caching off" in state
+    assert any("prefix caching off (the model has recurrent state)" in line for line in lines)
