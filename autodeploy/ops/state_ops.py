@@ -73,12 +73,10 @@ def causal_conv1d_cached(
     state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``causal_conv1d`` per sequence; conv_state [slots, C, K - 1] holds each sequence's last inputs."""
-    out = torch.zeros_like(x)
-    for start, end, slot, initial in _sequences(conv_state, state_slots, cu_seqlens, context_lens):
-        out[start:end], final = ref.conv_sequence(x[start:end], weight, bias, initial.to(x.dtype))
-        if slot >= 0:
-            conv_state[slot] = final
-    return out
+    def run(rows, one_token, initial):
+        return ref.conv_sequence(x[rows], weight, bias, initial.to(x.dtype))
+
+    return _run_sequences(torch.zeros_like(x), conv_state, state_slots, cu_seqlens, context_lens, run)
 
 
 @causal_conv1d_cached.register_fake
@@ -92,13 +90,12 @@ def ssm_scan_cached(
     state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``ssm_scan`` per sequence; ssm_state [slots, H, P, N] fp32."""
+    def run(rows, one_token, initial):
+        scan = ref.ssm_recurrent if one_token else ref.ssm_chunked
+        return scan(x[rows], dt[rows], A, B[rows], C[rows], initial)
+
     out = torch.zeros_like(x, dtype=torch.float32)
-    for start, end, slot, initial in _sequences(ssm_state, state_slots, cu_seqlens, context_lens):
-        scan = ref.ssm_recurrent if end - start == 1 else ref.ssm_chunked
-        out[start:end], final = scan(x[start:end], dt[start:end], A, B[start:end], C[start:end], initial)
-        if slot >= 0:
-            ssm_state[slot] = final
-    return out
+    return _run_sequences(out, ssm_state, state_slots, cu_seqlens, context_lens, run)
 
 
 @ssm_scan_cached.register_fake
@@ -112,19 +109,27 @@ def gated_delta_rule_cached(
     delta_state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``gated_delta_rule`` per sequence; delta_state [slots, H, K, V] fp32."""
+    def run(rows, one_token, initial):
+        rule = ref.delta_recurrent if one_token else ref.delta_chunked
+        return rule(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
+
     out = torch.zeros_like(v, dtype=torch.float32)
-    for start, end, slot, initial in _sequences(delta_state, state_slots, cu_seqlens, context_lens):
-        rule = ref.delta_recurrent if end - start == 1 else ref.delta_chunked
-        rows = slice(start, end)
-        out[rows], final = rule(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
-        if slot >= 0:
-            delta_state[slot] = final
-    return out
+    return _run_sequences(out, delta_state, state_slots, cu_seqlens, context_lens, run)
 
 
 @gated_delta_rule_cached.register_fake
 def _(q, k, v, g, beta, delta_state, state_slots, cu_seqlens, context_lens):
     return torch.empty_like(v, dtype=torch.float32)
+
+
+def _run_sequences(out, state, slots, cu_seqlens, context_lens, run):
+    """``run(rows, one_token, initial state) -> (outputs, final state)`` for every sequence of the step,
+    its outputs written to ``out[rows]`` and its final state to its slot."""
+    for start, end, slot, initial in _sequences(state, slots, cu_seqlens, context_lens):
+        out[start:end], final = run(slice(start, end), end - start == 1, initial)
+        if slot >= 0:
+            state[slot] = final
+    return out
 
 
 def _sequences(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor):

@@ -18,24 +18,22 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (16, 4), (37, 16)])
-def test_ssm_chunked_equals_recurrent(length, chunk):
-    inputs = ssm_inputs(length, S, _gen())
-    state = torch.randn(S.heads, S.head_dim, S.state, generator=_gen(1))
-    y_rec, s_rec = ref.ssm_recurrent(**inputs, state=state)
-    y_chk, s_chk = ref.ssm_chunked(**inputs, state=state, chunk=chunk)
-    torch.testing.assert_close(y_chk, y_rec, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
+_FAMILIES = {  # inputs, state shape, recurrent form, chunked form
+    "ssm": (ssm_inputs, (S.heads, S.head_dim, S.state), ref.ssm_recurrent, ref.ssm_chunked),
+    "delta": (delta_inputs, (S.heads, S.state, S.head_dim), ref.delta_recurrent, ref.delta_chunked),
+}
 
 
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
 @pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (16, 4), (37, 16)])
-def test_delta_chunked_equals_recurrent(length, chunk):
-    inputs = delta_inputs(length, S, _gen())
-    state = torch.randn(S.heads, S.state, S.head_dim, generator=_gen(1))
-    o_rec, s_rec = ref.delta_recurrent(**inputs, state=state)
-    o_chk, s_chk = ref.delta_chunked(**inputs, state=state, chunk=chunk)
-    torch.testing.assert_close(o_chk, o_rec, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
+def test_chunked_equals_recurrent(family, length, chunk):
+    make_inputs, state_shape, recurrent, chunked = _FAMILIES[family]
+    inputs = make_inputs(length, S, _gen())
+    state = torch.randn(*state_shape, generator=_gen(1))
+    out_rec, state_rec = recurrent(**inputs, state=state)
+    out_chk, state_chk = chunked(**inputs, state=state, chunk=chunk)
+    torch.testing.assert_close(out_chk, out_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state_chk, state_rec, atol=1e-4, rtol=1e-4)
 
 
 def test_ssm_recurrence_by_hand():
