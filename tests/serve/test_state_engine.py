@@ -9,6 +9,7 @@ from test_engine import run_batched, run_one_at_a_time, tokens
 
 from autodeploy import SamplingParams
 from autodeploy.serve.engine import Engine, EngineConfig
+from autodeploy.serve.outputs import OutputAccumulator
 
 SLOTS = 3  # the compiled model's max_batch_size: one state slot per sequence it can run
 
@@ -78,3 +79,30 @@ def test_start_up_report_gives_kv_and_state_capacity_apart(hybrid):
     (state,) = [line for line in lines if line.startswith("state cache")]
     assert state.startswith(f"state cache  {SLOTS} sequences x ") and "prefix caching off" in state
     assert any("prefix caching off (the model has recurrent state)" in line for line in lines)
+
+
+def test_a_step_that_fails_after_the_forward_reruns_the_others_from_their_first_token(hybrid, monkeypatch):
+    """The sampler fails for one request after the forward advanced every sequence's state: the
+    others are run again from their first token (from zero state), not advanced twice."""
+    prompts = _prompts(hybrid.vocab_size, [9, 14, 5], seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, seed=seed) for seed in (1, 13, 2)]
+    clean = run_batched(Engine(hybrid, None, EngineConfig()), prompts, params)
+    engine = Engine(hybrid, None, EngineConfig(overlap=False))
+    sample = engine.runner.sampler.sample
+
+    def poisoned(logits, seqs):
+        if any(s.params.seed == 13 and s.num_output_tokens >= 2 for s in seqs):
+            raise OverflowError("poisoned")
+        return sample(logits, seqs)
+
+    monkeypatch.setattr(engine.runner.sampler, "sample", poisoned)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params[i])
+    results, errors = {str(i): OutputAccumulator(str(i)) for i in range(3)}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id].add(out)
+            errors[out.request_id] = out.error
+    assert errors["1"].startswith("OverflowError") and errors["0"] is None and errors["2"] is None
+    assert [results[i].result().outputs[0].token_ids for i in "02"] == [clean[i].outputs[0].token_ids for i in (0, 2)]
+    assert _all_returned(engine)
