@@ -231,7 +231,10 @@ class TransformersSource(WeightSource):
 
     def _load(self) -> dict[str, torch.Tensor]:
         if self._state is None:
-            kwargs = {"dtype": self.dtype, "trust_remote_code": self.checkpoint.trust_remote_code}
+            # use_kernels=False: transformers 5.25 defaults to hub kernels for some layers (Mamba-2's), which
+            # it cannot fetch offline; the weights are all that is read here
+            kwargs = {"dtype": self.dtype, "trust_remote_code": self.checkpoint.trust_remote_code,
+                      "use_kernels": False}
             if not self.checkpoint.is_safetensors:
                 kwargs["use_safetensors"] = False
             model = AutoModelForCausalLM.from_pretrained(self.checkpoint.path, **kwargs)
