@@ -90,7 +90,7 @@ ZOO: tuple[ZooModel, ...] = (
                      r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
     ZooModel("bamba", "Mamba-2 layer (SSD scan, causal conv, gated RMSNorm) + attention layer: state pool",
-             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, slow=True),
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
     ZooModel("nemotron_h", "Mamba-2 + attention + MLP-only layers (one sublayer each), state pool",
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
     ZooModel("granitemoehybrid", "Mamba-2 + attention layer, MoE with Granite multipliers, state pool",
