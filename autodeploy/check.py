@@ -86,7 +86,9 @@ def run_check(
     **compile_options: Any,
 ) -> CheckResult:
     """Compile (unless ``compiled`` is given) and compare with HF eager; see the module docstring."""
-    model_dir = resolve_model_path(model_dir)  # the reference reads the same (converted) checkpoint
+    # the reference reads the same (converted, downloaded) checkpoint
+    model_dir = resolve_model_path(model_dir, compile_options.get("revision"),
+                                   compile_options.get("allow_pickle", False))
     options = {"dtype": "float32", "device": "cpu", **compile_options}
     options.setdefault("max_seq_len", max(prompt_lens) + steps + 1)
     model = compiled or compile_model(model_dir, **options)

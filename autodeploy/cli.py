@@ -15,25 +15,34 @@ import sys
 from typing import Any, Callable
 
 from .config import CompileConfig, load_yaml, merge_settings, parse_set_option, set_dotted, validate
-from .errors import AutoDeployError
+from .errors import AutoDeployError, ConfigError
 from .registry import Registry
 
 SUBCOMMANDS: Registry[Callable[[Any], None]] = Registry("subcommand", entry_point_group="autodeploy.cli")
 SUBCOMMANDS.register_lazy("serve", "autodeploy.serve.cli:add_serve_command")
 SUBCOMMANDS.register_lazy("bench", "autodeploy.serve.cli:add_bench_command")
 
-# CompileConfig fields exposed as dedicated flags (name, type, help)
+# CompileConfig fields exposed as dedicated flags (name, type)
 COMPILE_FLAGS: list[tuple[str, type]] = [
     ("dtype", str), ("device", str), ("max_seq_len", int), ("max_batch_size", int), ("max_num_tokens", int),
-    ("tokens_per_block", int), ("kv_cache_free_gpu_memory_fraction", float), ("num_kv_blocks", int),
-    ("attn_implementation", str), ("attention_backend", str), ("weights", str), ("pipeline", str), ("tp_size", int),
-    ("quantization", str),
+    ("tokens_per_block", int), ("kv_cache_free_gpu_memory_fraction", float), ("gpu_memory_utilization", float),
+    ("num_kv_blocks", int), ("attn_implementation", str), ("attention_backend", str), ("weights", str),
+    ("pipeline", str), ("tp_size", int), ("quantization", str), ("revision", str),
 ]
-
-
+COMPILE_SWITCHES = ["trust_remote_code", "allow_pickle", "enforce_eager"]  # CompileConfig booleans a bare flag sets
+# other spellings of the same flags: vLLM's names where they differ, trtllm-serve's older ones
+SPELLINGS: dict[str, tuple[str, ...]] = {
+    "max_batch_size": ("--max-num-seqs",), "max_seq_len": ("--max-model-len",),
+    "max_num_tokens": ("--max-num-batched-tokens",), "tp_size": ("--tensor-parallel-size", "-tp"),
+    "kv_cache_free_gpu_memory_fraction": ("--free_gpu_memory_fraction",), "quantization": ("-q",),
+    "config": ("--extra_llm_api_options",), "tokens_per_block": ("--block-size",),
+}
 def flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
-    """Add ``--name`` (underscore, as trtllm-serve) with the ``--dash-name`` alias (as vllm serve)."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    """Add ``--name`` (underscore, as trtllm-serve) with the ``--dash-name`` alias (as vllm serve) and
+    the other spellings ``SPELLINGS`` lists, all of them shown in ``--help``."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else []) + list(SPELLINGS.get(name, ()))
+    if kwargs.get("help") and kwargs["help"] != argparse.SUPPRESS:
+        kwargs["help"] = kwargs["help"].replace("%", "%%")  # (argparse formats help with %)
     parser.add_argument(*spellings, dest=name, **kwargs)
 
 
@@ -42,12 +51,19 @@ def add_compile_options(parser: argparse.ArgumentParser) -> None:
     fields = CompileConfig.model_fields
     for name, kind in COMPILE_FLAGS:
         flag(parser, name, type=kind, default=None, help=fields[name].description)
-    flag(parser, "trust_remote_code", action="store_true", default=None, help=fields["trust_remote_code"].description)
-    flag(parser, "allow_pickle", action="store_true", default=None, help=fields["allow_pickle"].description)
+    for name in COMPILE_SWITCHES:
+        flag(parser, name, action="store_true", default=None, help=fields[name].description)
+    flag(parser, "kv_cache_dtype", default=None, metavar="DTYPE",
+         help=CompileConfig.model_fields["kv_cache_dtype"].description + " (as vLLM's --kv-cache-dtype)")
     flag(parser, "config", default=None, metavar="FILE.yaml", help="YAML file of settings (below dedicated flags)")
     parser.add_argument("--set", dest="set_options", action="append", default=[], metavar="KEY=VALUE",
                         help="override any setting, dotted keys for nesting (highest precedence; repeatable)")
     flag(parser, "log_level", default="warning", choices=["debug", "info", "warning", "error"], help="logging level")
+
+
+def compile_flag_names() -> list[str]:
+    """Every flag that sets a compile option."""
+    return [n for n, _ in COMPILE_FLAGS] + COMPILE_SWITCHES + ["kv_cache_dtype"]
 
 
 def settings_from_args(args: argparse.Namespace, flag_names: list[str], yaml_key: str | None = None) -> dict[str, Any]:
@@ -64,8 +80,7 @@ def settings_from_args(args: argparse.Namespace, flag_names: list[str], yaml_key
 
 
 def compile_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = [n for n, _ in COMPILE_FLAGS] + ["trust_remote_code", "allow_pickle"]
-    settings = settings_from_args(args, names)
+    settings = settings_from_args(args, compile_flag_names())
     if getattr(args, "dump_graphs", None):
         settings["dump_dir"] = args.dump_graphs
     return validate(CompileConfig, settings, "settings").model_dump(exclude_unset=True)
@@ -113,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("compile", help="compile a checkpoint; print the per-pass table and canonical-op counts")
-    p.add_argument("model_dir", help="HF checkpoint directory (config.json + *.safetensors), or a .gguf file")
+    p.add_argument("model_dir", help="HF checkpoint directory (config.json + *.safetensors), a .gguf file, or a "
+                                     "Hugging Face Hub id")
     flag(p, "dump_graphs", metavar="DIR", help="write every intermediate graph to DIR")
     flag(p, "print_plan", action="store_true",
          help="print the tensor-parallel plan for --tp_size (no weights loaded, no processes) and exit")
@@ -121,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("check", help="correctness canary: compiled model vs HF eager; exits 1 on mismatch")
-    p.add_argument("model_dir", help="HF checkpoint directory, or a .gguf file")
+    p.add_argument("model_dir", help="HF checkpoint directory, a .gguf file, or a Hugging Face Hub id")
     p.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prompts (default 16)")
     flag(p, "prompt_lens", default="5,23,12,40", help="comma-separated prompt lengths (default 5,23,12,40)")
     flag(p, "chunk_size", type=int, default=16, help="prefill chunk size (default 16)")

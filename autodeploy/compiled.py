@@ -5,6 +5,11 @@ A compiled model runs one engine step: given the chunks of the scheduled sequenc
 token; a chunk may ask for its last ``num_logits`` tokens instead). It owns the KV pool;
 block ids (and state slots, for a model with recurrent or convolution state) are handed out by
 the caller (the engine's block manager).
+
+A step runs one of three ways: a decode step that fits a captured decode graph replays it
+(``autodeploy.cudagraph``); another step of at most the largest piecewise token bucket is padded to
+its bucket and replays the pieces between eager attention calls (``autodeploy.piecewise``); the rest
+run the graph eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .config import CompileConfig
 from .cudagraph import CudaGraphRunner
 from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVCapacity, KVPool
+from .piecewise import PiecewiseRunner
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,12 @@ class CompileReport:
     passes: list  # PassRecord, in order
     op_counts: dict[str, int] = field(default_factory=dict)
     quantization: tuple[str, ...] = ()  # what the quantize pass did (QuantSummary.lines()); () if nothing
+    kv_cache: str = ""  # the KV cache's dtype and where it comes from (insert_kv_cache)
 
     def quantization_lines(self) -> list[str]:
         """What was quantized (format, layers, exclusions) and the KV cache's dtype."""
-        return list(self.quantization) or [f"none (weights and KV cache in {str(self.dtype).removeprefix('torch.')})"]
+        dtype = str(self.dtype).removeprefix("torch.")
+        return list(self.quantization) or [f"none (weights in {dtype}, KV cache {self.kv_cache or dtype})"]
 
     def pass_table(self) -> str:
         lines = [f"{'pass':<26}{'stage':<14}{'matches':>8}{'ms':>10}  detail"]
@@ -60,6 +68,7 @@ class CompiledModel:
         report: CompileReport,
         model_dir: Path | None,
         cuda_graphs: CudaGraphRunner | None = None,
+        piecewise: PiecewiseRunner | None = None,
     ):
         self.gm = gm
         self.pool = pool
@@ -69,6 +78,7 @@ class CompiledModel:
         self.report = report
         self.model_dir = model_dir
         self.cuda_graphs = cuda_graphs
+        self.piecewise = piecewise
         self.publisher = None  # tensor parallel, rank 0: a StepPublisher sends each step to the other ranks
         # metadata staging buffers sized for the largest step (max_num_tokens, max_batch_size, max_seq_len)
         largest = Padding(config.max_num_tokens, config.max_batch_size, capacity.max_blocks_per_seq)
@@ -100,18 +110,25 @@ class CompiledModel:
         return int(self.gm.graph.output_node().args[0].meta["val"].shape[-1])
 
     def prepare(self, chunks: list[SequenceChunk]) -> BatchMetadata:
-        """Batch metadata of one step, on the device (one host-to-device copy)."""
+        """Batch metadata of one step, on the device (one host-to-device copy); padded to a token
+        bucket of the piecewise graphs when the step fits one."""
+        if self.piecewise is not None and (pad := self.piecewise.padding(chunks)) is not None:
+            return self.piecewise.prepare(chunks, pad)
         fits = sum(len(c.token_ids) for c in chunks) <= self.config.max_num_tokens and len(chunks) <= self.config.max_batch_size
         return BatchMetadata.build(chunks, self.block_size, self.device, buffers=self._buffers if fits else None)
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata) -> torch.Tensor:
-        """Logits ``[num_logits, vocab]``: one row per requested token (by default each chunk's last)."""
+        """Logits ``[num_logits, vocab]``: one row per requested token (by default each chunk's last);
+        through the piecewise graphs when the step's token count is one of their buckets (tensor
+        parallel: every rank decides alike, from the step rank 0 publishes)."""
+        if self.piecewise is not None and self.piecewise.takes(batch):
+            return self.piecewise.run(batch)
         return self.gm(**batch.as_kwargs(), **self.pool.as_kwargs())
 
     @torch.inference_mode()
     def __call__(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None) -> torch.Tensor:
-        """One step: logits ``[len(chunks), vocab]``; decode steps replay a CUDA graph when captured.
+        """One step: logits ``[len(chunks), vocab]``: a decode graph, the piecewise graphs or eagerly.
 
         ``deferred`` fills input ids that are still on the device (``PLACEHOLDER_TOKEN`` in the
         chunks). The returned tensor may be a view of a graph's static output: consume it before the

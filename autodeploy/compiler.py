@@ -31,13 +31,13 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 def compile(model_dir: str | Path, **options: Any) -> CompiledModel:  # noqa: A001 (public API name)
     """Compile the HF causal LM in ``model_dir`` (config.json + safetensors, or a ``.gguf`` file,
-    converted once into a cached checkpoint) for inference.
+    converted once into a cached checkpoint, or a Hugging Face Hub id) for inference.
 
     ``options`` are the fields of :class:`autodeploy.config.CompileConfig`.
     """
     config = validate(CompileConfig, options, "compile options")
     checkpoint = open_checkpoint(
-        resolve_model_path(model_dir),
+        resolve_model_path(model_dir, config.revision, config.allow_pickle),
         allow_pickle=config.allow_pickle,
         trust_remote_code=config.trust_remote_code,
         require_weights=config.weights == "checkpoint",
@@ -64,7 +64,7 @@ def compile_config(
     try:
         if workers is not None and config.early_compiles and _early_compiles_apply(config, device):
             start = time.perf_counter()
-            _start_early_compiles(hf_config, config, device, dtype, max_seq_len, workers)
+            _start_early_compiles(hf_config, config, device, dtype, max_seq_len, workers, checkpoint)
             timings["early_compiles"] = time.perf_counter() - start
         start = time.perf_counter()
         gm = export_model(model)
@@ -98,11 +98,12 @@ def compile_config(
         passes=records,
         op_counts=canonical_op_counts(ctx.gm),
         quantization=tuple(summary.lines()) if (summary := ctx.artifacts.get("quantization")) else (),
+        kv_cache=ctx.artifacts.get("kv_cache_words", ""),
     )
     model_dir = checkpoint.path if checkpoint else None
     return CompiledModel(
         ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
-        cuda_graphs=ctx.artifacts.get("cuda_graphs"),
+        cuda_graphs=ctx.artifacts.get("cuda_graphs"), piecewise=ctx.artifacts.get("piecewise_graphs"),
     )
 
 
@@ -115,12 +116,15 @@ def _early_compiles_apply(config: CompileConfig, device: torch.device) -> bool:
             and warm_up.get("enabled", True) is not False and warm_up.get("attention_variants", True) is not False)
 
 
-def _start_early_compiles(hf_config, config: CompileConfig, device, dtype, max_seq_len: int, workers) -> None:
+def _start_early_compiles(hf_config, config: CompileConfig, device, dtype, max_seq_len: int, workers,
+                          checkpoint) -> None:
     """The attention kernels guessed from the config, to the workers (``early_compile.py``)."""
     from .early_compile import start_early_attention_compiles
+    from .quantization.kv_cache import kv_cache_format
 
     try:
-        start_early_attention_compiles(hf_config, config, device, dtype, max_seq_len, workers)
+        kv = kv_cache_format(config.kv_cache_dtype, checkpoint.path if checkpoint else None, dtype)
+        start_early_attention_compiles(hf_config, config, device, dtype, max_seq_len, workers, kv.dtype)
     except Exception as exc:  # noqa: BLE001 (a guess: the warm-up compiles what it needs either way)
         log.warning("early attention compiles skipped (%s: %s)", type(exc).__name__, exc)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
 
@@ -20,7 +20,7 @@ class CompileConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = Field("auto", description="auto (checkpoint dtype), bfloat16, float16 or float32")
+    dtype: str = Field("auto", description="auto (checkpoint dtype), bfloat16, float16 (half) or float32 (float), as vLLM names them too")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     attn_implementation: Literal["eager", "sdpa"] = Field(
         "eager", description="HF attention code traced by export; both are canonicalized"
@@ -28,12 +28,17 @@ class CompileConfig(BaseModel):
     weights: Literal["checkpoint", "random"] = Field(
         "checkpoint", description="random: skip the checkpoint, fill weights randomly on the device (benchmarks)"
     )
-    max_seq_len: int | None = Field(None, description="longest prompt + output; default: the model's limit")
+    max_seq_len: int | None = Field(None, ge=1, description="longest prompt + output; default: the model's limit")
     max_batch_size: int = Field(64, ge=1, description="most sequences in one step")
     max_num_tokens: int = Field(8192, ge=1, description="most tokens in one step (token budget)")
     tokens_per_block: int = Field(16, ge=1, description="KV-cache page size in tokens")
     kv_cache_free_gpu_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="share of free GPU memory (after weights) used for the KV cache"
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM's meaning: share of the GPU's TOTAL memory this process may use in all "
+        "(weights, activations, KV cache); the KV cache gets what is left of it (replaces "
+        "kv_cache_free_gpu_memory_fraction, a share of the memory still free after the weights)"
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="fix the KV-cache size instead of measuring memory")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size: ranks (processes, one GPU each) sharing the model")
@@ -49,10 +54,18 @@ class CompileConfig(BaseModel):
     attention_backend: str = Field(
         "auto", description="paged attention: auto (triton on CUDA, torch on CPU), torch, triton, flashinfer"
     )
-    quantization: Literal["fp8", "nvfp4"] | None = Field(
-        None, description="quantize a bf16/fp16 checkpoint while loading: fp8 (per-channel weights, dynamic "
-        "per-token activations) or nvfp4 (weight-only); a quantized checkpoint needs no flag"
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="KV cache dtype: auto (FP8 where the checkpoint quantizes its KV cache, else the model "
+        "dtype), fp8 / fp8_e4m3 (float8_e4m3fn with the checkpoint's per-tensor k/v scales, or 1.0), or a float dtype"
     )
+    quantization: Literal["fp8", "nvfp4", "modelopt", "modelopt_fp4", "compressed-tensors"] | None = Field(
+        None, description="quantize a bf16/fp16 checkpoint while loading: fp8 (per-channel weights, dynamic "
+        "per-token activations) or nvfp4 (weight-only); a quantized checkpoint needs no flag (vLLM's names of "
+        "its format, modelopt, modelopt_fp4, compressed-tensors, fp8, are accepted as a confirmation)"
+    )
+    enforce_eager: bool = Field(False, description="no CUDA graphs: every step runs eagerly (as vLLM's --enforce-eager)")
+    revision: str | None = Field(None, description="branch, tag or commit of a Hugging Face Hub model id "
+                                 "(default: main); ignored for a local path")
     allow_pickle: bool = Field(False, description="accept pickle (.bin) weights; only for trusted checkpoints")
     trust_remote_code: bool = Field(False, description="run modeling code shipped with the checkpoint")
     dump_dir: str | None = Field(None, description="write every intermediate graph here (or AUTODEPLOY_DUMP_DIR)")
@@ -60,6 +73,13 @@ class CompileConfig(BaseModel):
     passes: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per-pass config overrides, e.g. {fuse_qkv: {enabled: false}}"
     )
+
+    @model_validator(mode="after")
+    def _one_memory_share(self) -> CompileConfig:
+        if self.gpu_memory_utilization is not None and "kv_cache_free_gpu_memory_fraction" in self.model_fields_set:
+            raise ValueError("set gpu_memory_utilization (a share of the GPU's total memory) or "
+                             "kv_cache_free_gpu_memory_fraction (a share of the free memory), not both")
+        return self
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

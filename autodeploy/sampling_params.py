@@ -23,6 +23,29 @@ MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids per request (each a set lookup per g
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow, as plain text (it crosses process boundaries as is; the engine
+    compiles it, cached, where it samples).
+
+    ``kind`` says how ``spec`` reads: ``json`` a JSON schema (serialized), ``json_object`` any JSON object
+    (``spec`` empty), ``regex`` a regular expression, ``choice`` a JSON array of the allowed strings,
+    ``grammar`` an EBNF (GBNF) grammar whose start rule is ``root``.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got '{self.kind}'")
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise ValueError(f"a '{self.kind}' structured output needs its spec as a non-empty string")
+
+
 class RequestOutputKind(enum.Enum):
     """When the engine reports a request: a delta after every step that produced tokens
     (streaming), or once, complete, when it finishes (``LLM.generate``, the offline benchmark:
@@ -42,7 +65,8 @@ class SamplingParams:
     sampled token's log-probability and the ``k`` most likely ones at each generated position;
     ``prompt_logprobs=k`` does the same for every prompt token after the first. A ``seed`` makes
     sampling reproducible; with ``n > 1`` choice ``i`` uses ``seed + i``. ``output_kind`` says
-    whether the request is reported after every step or only when it finishes.
+    whether the request is reported after every step or only when it finishes. ``structured`` constrains
+    the output to a grammar (JSON schema, regex, choice, EBNF): each token is sampled among those it allows.
     """
 
     n: int = 1
@@ -65,6 +89,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept the spellings clients send (a single stop string, lists, top_k=-1), store one form.
@@ -75,6 +100,8 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         for problem in _problems(self):
             raise ValueError(problem)
 

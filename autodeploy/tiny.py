@@ -32,6 +32,9 @@ BASE = {
 _SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"]}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16}
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+         "beta_slow": 1.0}
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12}
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"head_dim": 16, "sliding_window": 8},
@@ -95,6 +98,19 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
                    "head_dim": 16, "layers_block_type": ["mamba", "attention", "mlp"], "num_hidden_layers": 3},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
               "first_k_dense_replace": 1},  # its config leaves the MoE sizes None; layer 0 dense, layer 1 MoE
+    # sinks, sliding (8) then full layer, YaRN RoPE, MoE: router with bias, transposed experts with biases,
+    # interleaved gate/up, clamped SwiGLU; YaRN's original context a quarter of the tiny maximum
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                **_SLIDING_THEN_FULL, "rope_parameters": {**_YARN, "rope_theta": 150000.0}},
+    # MLA (q through q_a/q_b with its norm, latent 32 + rotary key 8, nope 16, v 12, YaRN with mscale in
+    # the softmax scale), layer 0 dense, layer 1 MoE with grouped sigmoid routing and a shared expert
+    "deepseek_v3": {**_MLA, "q_lora_rank": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "rope_parameters": {**_YARN, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+    # MLA without the q compression (q_proj, DeepSeek-V2-Lite), complex RoPE on the rotary part, softmax
+    # top-k routing; layer 0 dense, layer 1 MoE with 2 shared experts
+    "deepseek_v2": {**_MLA, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 2},
 }
 
 

@@ -36,12 +36,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from autodeploy.kernels import activation, gemv, kv_cache_write, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-FLOAT_ARGS = {"scale", "softcap", "eps"}
+FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale"}
 DIVISIBLE_INTS = {"n_cols", "N", "K"}  # hidden / intermediate sizes: multiples of 16 in every real model
 
 
@@ -125,9 +125,11 @@ def compile_variant(name, kernel, pointers, constexprs, warps=4, stages=2, optio
     return row, spill >= 0 and hot == 0
 
 
-def _attention(dtype="bf16", **overrides):
+def _attention(dtype="bf16", kv_fp8=False, **overrides):
     pointers = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr", "cache_ptr", "sinks_ptr", "cos_ptr",
                                           "sin_ptr")}
+    if kv_fp8:  # an FP8 KV cache is passed as its bytes
+        pointers["cache_ptr"] = "*u8"
     pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr", "alibi_ptr")})
     pointers["counters_ptr"] = "*i32"
     pointers["trace_ptr"] = "*i64"
@@ -185,6 +187,22 @@ def _gemv_variants():
     yield ("gemv fp32 norm", *_gemv("fp32", prologue=gemv.Prologue.RMS_NORM), 4, 1, pdl_on)
 
 
+def _mla_variants():
+    """MLA at DeepSeek-V3's shape (128 heads, latent 512 + rotary 64, bf16): the decode tile of 16 heads x 1
+    token split 12 ways (batch 1 at 4096 keys on 132 SMs), a prefill tile (16 heads x 2 tokens), the merge."""
+    pointers = {n: "*bf16" for n in ("out_ptr", "q_ptr", "qpe_ptr", "cache_ptr")}
+    pointers.update({n: "*fp32" for n in ("part_out_ptr", "part_lse_ptr")})
+    pointers.update({n: "*i64" for n in ("context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr")})
+    shape = dict(HEADS=128, RANK=512, BLOCK_R=512)
+    const = dict(shape, ROPE_DIM=64, BLOCK_P=64, BLOCK_H=16, BLOCK_Q=1, BLOCK_N=32, PAGE_SIZE=16, NUM_SPLITS=12,
+                 SEARCH_BLOCK=mla_attention.SEARCH_BLOCK, DOT_PRECISION="tf32")
+    yield ("mla decode ds-v3 h128 r512 (split 12)", mla_attention._mla_kernel, pointers, const, 4, 2)
+    yield ("mla prefill ds-v3 (16 heads x 2 tokens)", mla_attention._mla_kernel, pointers,
+           dict(const, BLOCK_Q=2, NUM_SPLITS=1), 8, 2)
+    merge = dict(shape, BLOCK_H=16, NUM_SPLITS=12, SPLITS_PAD=16)
+    yield ("mla merge ds-v3 (12 splits)", mla_attention._merge_kernel, pointers, merge, 4, 2)
+
+
 def variants():
     """(name, kernel, pointer types, constexprs, warps, stages[, options]) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -237,9 +255,20 @@ def variants():
            *_attention(**dict(half, ROPE=ROPE_INTERLEAVED.value, ROT_DIM=64)), 4, 2, options)
     yield ("attn rope prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill, ROPE=ROPE_HALF.value,
                                                                     ROT_DIM=128), 8, 2)
+    # an FP8 (e4m3) KV cache: the decode launches of batch 64 (no split) and batch 1 (splits, RoPE), prefill
+    yield ("attn fp8-kv decode gqa4 d128 (no split)", *_attention(kv_fp8=True, NUM_SPLITS=1), 4, 2)
+    fp8_options = paged_attention.rope_decode_tuning(32, fp8_pool=True)[1]  # (no register cap)
+    yield ("attn fp8-kv rope decode b1 (32 keys, s16, PDL)",
+           *_attention(kv_fp8=True, num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
+           {**fp8_options, "launch_pdl": True})
+    yield ("attn fp8-kv rope decode gqa4 d128 (no split)", *_attention(kv_fp8=True, **dict(half, NUM_SPLITS=1)), 4,
+           2, fp8_options)
+    yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
     write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
-    yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs,
-           dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096), 4, 1)
+    write_const = dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096)
+    yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs, write_const, 4, 1)
+    yield ("kv cache write fp8 (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel,
+           {**write_ptrs, "cache_ptr": "*u8"}, write_const, 4, 1)
     norm_ptrs = bf16_ptrs("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")
     pdl_on = {"launch_pdl": True}
     yield ("rms_norm 4096 (PDL)", norm._rms_norm_kernel, norm_ptrs, dict(BLOCK=4096, HAS_RESIDUAL=False, PDL=True),
@@ -256,6 +285,7 @@ def variants():
         yield (f"rope d128 {'interleaved' if interleaved else 'half'}", rope._rope_kernel, rope_ptrs,
                dict(rope_const, INTERLEAVED=interleaved), 4, 1)
     yield from _gemv_variants()
+    yield from _mla_variants()
     qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
     yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
 

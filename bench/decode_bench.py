@@ -60,15 +60,16 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, head_bytes: float = 2) -> float:
+def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, head_bytes: float = 2,
+                   kv_bytes: int = 2) -> float:
     """Bytes one decode step must read: every linear weight (the LM head at ``head_bytes`` a weight) and the
-    bf16 KV cache."""
+    KV cache (``kv_bytes`` an element: 2 for bf16, 1 for FP8)."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v, o, gate+up+down
     weights = bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h
-    kv_cache = 2 * layers * batch * context * 2 * kv
+    kv_cache = kv_bytes * layers * batch * context * 2 * kv
     return weights + kv_cache
 
 
@@ -159,7 +160,10 @@ def decode_chunks(model, batch: int, context: int, seed: int = 0) -> list:
 
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for cache in model.pool.caches:
-        cache.normal_(generator=gen)
+        if cache.dtype == torch.float8_e4m3fn:  # (no random kernels for FP8: values of scale 1.0 cast to e4m3)
+            cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device, dtype=torch.bfloat16))
+        else:
+            cache.normal_(generator=gen)
     ids = torch.randint(0, model.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
     per_seq = -(-(context + 32) // model.block_size)
     return [SequenceChunk((ids[b],), context, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1))) for b in range(batch)]
@@ -235,7 +239,8 @@ def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
     model, compile_s = compile_autodeploy(cfg, max(batches), args.context, weights.settings, tuple(args.set))
     print(model.report.pass_table(), flush=True)
     for b in batches:
-        floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight, weights.head_bytes_per_weight) / bandwidth
+        floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight, weights.head_bytes_per_weight,
+                               model.pool.caches[0].element_size()) / bandwidth
         ms = bench_autodeploy(model, b, args.context, args.steps)
         yield _row(shape, b, "autodeploy bare step" + args.label, ms, floor, f"compile {compile_s:.0f} s",
                    weights.name)

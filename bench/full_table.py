@@ -21,7 +21,9 @@ its options in ``add_options(group)``; a new section is one more entry):
 - quant_kernels: the FP8/NVFP4 linear kernels at the 8B shapes against bf16 and the copy bandwidth
   (``quant_kernels.py``);
 - correctness: the canary on CUDA, async == sync engine, 64-step greedy equality of the 8B shape
-  (``correctness.py``).
+  (``correctness.py``);
+- structured: the engine's decode step at batch 64, free and under a JSON-schema grammar: structured output's
+  cost per token (``structured_bench.py``).
 
 Exit status 1 if a check failed (a row with ``passed`` False).
 """
@@ -47,6 +49,7 @@ SECTIONS = {  # name -> module of this folder; the order of a full run
     "kernels": "kernels_gpu",
     "quant_kernels": "quant_kernels",
     "correctness": "correctness",
+    "structured": "structured_bench",
 }
 
 

@@ -145,37 +145,45 @@ class PagedBatch:
             features.get("rope_sin"), features.get("rope_interleaved", False))
 
 
-def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0,
-                head_major: bool = False) -> PagedBatch:
-    """Sequences of (context_len, query_len) on shuffled pages of a random bf16 cache. ``head_major``: the
-    cache is stored [pages, 2, kv_heads, PAGE, head_dim] (each head's page contiguous, "HND") and passed as
-    a view of the pool's logical [pages, 2, PAGE, kv_heads, head_dim] shape (the kernel reads strides)."""
+def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Batch metadata (query_lens, context_lens, cu_seqlens, block_table, slot_mapping) of sequences of
+    (context_len, query_len) on shuffled pages of ``PAGE`` tokens (``pad_tokens`` padding tokens last), and the
+    number of pages a pool needs for them (one spare)."""
+    device = DEV if device is None else device
     pages = [-(-(c + n) // PAGE) for c, n in seqs]
-    order = torch.randperm(sum(pages) + 1, device=DEV)
-    table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=DEV)
+    order = torch.randperm(sum(pages) + 1, device=device)
+    table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=device)
     slots, used = [], 0
     for b, ((ctx, n), count) in enumerate(zip(seqs, pages)):
         table[b, :count] = order[used: used + count]
         used += count
-        pos = torch.arange(ctx, ctx + n, device=DEV)
+        pos = torch.arange(ctx, ctx + n, device=device)
         slots.append(table[b, pos // PAGE] * PAGE + pos % PAGE)
-    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=DEV))
-    query_lens = torch.tensor([n for _, n in seqs], device=DEV)
-    tokens = int(query_lens.sum()) + pad_tokens
-    rand = lambda *shape: torch.randn(*shape, device=DEV, dtype=BF16)  # noqa: E731
-    return PagedBatch(
-        rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim),
-        _cache(sum(pages) + 1, kv_heads, head_dim, head_major), query_lens,
-        torch.tensor([c for c, _ in seqs], device=DEV), torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)),
-        table, torch.cat(slots))
+    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=device))
+    query_lens = torch.tensor([n for _, n in seqs], device=device)
+    cu_seqlens = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
+    context_lens = torch.tensor([c for c, _ in seqs], device=device)
+    return (query_lens, context_lens, cu_seqlens, table, torch.cat(slots)), sum(pages) + 1
 
 
-def _cache(pages: int, kv_heads: int, head_dim: int, head_major: bool, device=DEV) -> torch.Tensor:
+def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0,
+                head_major: bool = False, device=DEV, dtype=BF16) -> PagedBatch:
+    """Sequences of (context_len, query_len) on shuffled pages of a random bf16 cache. ``head_major``: the
+    cache is stored [pages, 2, kv_heads, PAGE, head_dim] (each head's page contiguous, "HND") and passed as
+    a view of the pool's logical [pages, 2, PAGE, kv_heads, head_dim] shape (the kernel reads strides)."""
+    meta, pages = paged_metadata(seqs, pad_tokens, device)
+    tokens = meta[-1].shape[0]
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+    return PagedBatch(rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim),
+                      rand(tokens, kv_heads, head_dim), _cache(pages, kv_heads, head_dim, head_major, device, dtype), *meta)
+
+
+def _cache(pages: int, kv_heads: int, head_dim: int, head_major: bool, device=DEV, dtype=BF16) -> torch.Tensor:
     """A random pool of the logical shape [pages, 2, PAGE, kv_heads, head_dim]; ``head_major`` stores it
     as [pages, 2, kv_heads, PAGE, head_dim] (a view)."""
     if head_major:
-        return torch.randn(pages, 2, kv_heads, PAGE, head_dim, device=device, dtype=BF16).transpose(2, 3)
-    return torch.randn(pages, 2, PAGE, kv_heads, head_dim, device=device, dtype=BF16)
+        return torch.randn(pages, 2, kv_heads, PAGE, head_dim, device=device, dtype=dtype).transpose(2, 3)
+    return torch.randn(pages, 2, PAGE, kv_heads, head_dim, device=device, dtype=dtype)
 
 
 def attention_cost(seqs: list[tuple[int, int]]) -> tuple[float, float]:

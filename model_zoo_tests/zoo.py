@@ -4,9 +4,11 @@ Each entry is a real transformers architecture built tiny (``autodeploy.tiny.TIN
 random weights, exported with HF's eager attention code unless ``attn_implementation`` says
 otherwise. ``windows`` is the sliding window each attention layer must end up with (None: full
 causal attention), ``chunks`` its chunk size (Llama-4's chunked attention), ``alibi`` whether the
-layers carry ALiBi slopes; ``xfail`` holds the real reason when an architecture cannot pass yet (the
-README lists the same reasons); ``refused`` the error a model we must not run (state the KV cache does
-not hold) has to stop with. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
+layers carry ALiBi slopes, ``sinks`` whether they have learned attention sinks; ``xfail`` holds the
+real reason when an architecture cannot pass yet (the README lists the same reasons); ``refused`` the
+error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
+a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
+(preemption) and an abort. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
 scan, each with its causal convolution), kept in the state pool beside the KV cache; ``attention_layers``
 the paged-attention layers when not every layer has one.
 """
@@ -25,6 +27,7 @@ class ZooModel:
     windows: tuple[int | None, ...] = FULL
     chunks: tuple[int | None, ...] = FULL
     alibi: bool = False  # every attention layer has ALiBi slopes
+    sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
     state_layers: int = 0  # ssm_scan_cached (and as many causal_conv1d_cached) in the compiled graph
     attention_layers: int | None = None  # None: every layer
@@ -32,6 +35,8 @@ class ZooModel:
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
     slow: bool = False  # export alone takes ~20 s on the CI machine
     attn_implementation: str = "eager"  # the HF attention code that is exported
+    mla: bool = False  # multi-head latent attention: every attention layer is ``paged_mla`` over a latent cache
+    engine: bool = False  # also through the engine: KV exhaustion preempts, abort frees every block
 
     @property
     def name(self) -> str:
@@ -90,7 +95,7 @@ ZOO: tuple[ZooModel, ...] = (
                      r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
     ZooModel("bamba", "Mamba-2 layer (SSD scan, causal conv, gated RMSNorm) + attention layer: state pool",
-             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, engine=True),
     ZooModel("nemotron_h", "Mamba-2 + attention + MLP-only layers (one sublayer each), state pool",
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
     ZooModel("granitemoehybrid", "Mamba-2 + attention layer, MoE with Granite multipliers, state pool",
@@ -99,4 +104,10 @@ ZOO: tuple[ZooModel, ...] = (
              "_init_weights fills), state pool", state_layers=2),
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
+    ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "
+             "experts with biases, interleaved gate/up and clamped SwiGLU", windows=(8, None), moe_layers=2,
+             sinks=True, engine=True),
+    ZooModel("deepseek_v3", "MLA (compressed q, latent 32 + rotary key 8, interleaved RoPE, YaRN mscale) over a "
+             "latent cache; grouped sigmoid routing with a shared expert, layer 0 dense", mla=True, moe_layers=1,
+             engine=True),
 )

@@ -1,7 +1,9 @@
 """allocate_kv_cache: size the KV pool from the memory left after a profiling forward, allocate it.
 
 On CUDA: run one step of ``max_num_tokens`` tokens with a minimal cache, measure the activation
-peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool. On the CPU:
+peak, then give ``kv_cache_free_gpu_memory_fraction`` of what stays free to the pool, or with
+``gpu_memory_utilization`` (vLLM's flag) that share of the device's total memory less what this process
+holds (see :func:`kv_budget`). On the CPU:
 ``kv_cache_cpu_bytes``, capped at what ``max_batch_size`` sequences of ``max_seq_len`` need. A fixed
 ``num_kv_blocks`` overrides both. Under tensor parallelism each rank sizes its own pool (its own
 key/value heads and free memory) and all take the smallest.
@@ -60,6 +62,7 @@ class AllocateKVCache(Pass):
         else:
             budget = KVPool.blocks_for_budget(specs, block_size, max(0, cfg.kv_cache_cpu_bytes - state_bytes))
             num_blocks = min(budget, cfg.max_batch_size * blocks_per_seq)
+        num_blocks = _addressable(num_blocks, specs, block_size, explicit=bool(cfg.num_kv_blocks))
         if cfg.tp_size > 1:  # rank 0 hands out block ids for every rank's pool: all hold the fewest
             num_blocks = min_over_ranks(num_blocks)
         if num_blocks < blocks_per_seq:
@@ -72,7 +75,8 @@ class AllocateKVCache(Pass):
         ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device, state=state)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        capacity = KVCapacity(num_blocks, block_size, max_seq_len)
+        capacity = KVCapacity(num_blocks, block_size, max_seq_len, KVPool.describe_layout(specs), specs[0].dtype,
+                              ctx.dtype)
         ctx.artifacts["kv_capacity"] = capacity
         described = capacity.describe() + (f"; state cache: {state.capacity().describe()}" if state is not None else "")
         log.info(described)
@@ -94,11 +98,13 @@ class AllocateKVCache(Pass):
         activations = self._profile(ctx, lambda: ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs()))
         del scratch, batch
         torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(ctx.device)
-        budget = int((free - activations) * cfg.kv_cache_free_gpu_memory_fraction)
-        log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB -> KV budget %.2f GiB",
-                 tokens, activations / 2**30, free / 2**30, budget / 2**30)
-        return max(0, budget)
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        held = torch.cuda.memory_reserved(ctx.device)
+        budget = kv_budget(cfg, free=free, total=total, held=held, activations=activations)
+        log.info("profiling step of %d tokens: activations %.2f GiB, free %.2f GiB, held %.2f GiB of %.2f GiB "
+                 "-> KV budget %.2f GiB", tokens, activations / 2**30, free / 2**30, held / 2**30, total / 2**30,
+                 budget / 2**30)
+        return budget
 
     def _profile(self, ctx: CompileContext, forward) -> int:
         """Activation bytes of ``forward`` (peak over the memory allocated before it). Its compiles are
@@ -122,6 +128,21 @@ class AllocateKVCache(Pass):
                 ctx.artifacts["pending_kernels"] = pending
             return torch.cuda.max_memory_allocated(ctx.device) - baseline
         raise AssertionError("unreachable: the real run returns or raises")
+
+
+def kv_budget(cfg, *, free: int, total: int, held: int, activations: int) -> int:
+    """Bytes for the KV pool on a GPU with ``free`` of ``total`` bytes free, ``held`` of them held by this
+    process's allocator (weights and other tensors) and a step's ``activations`` peak to leave room for.
+
+    ``kv_cache_free_gpu_memory_fraction`` (TensorRT-LLM's meaning): that share of what stays free after
+    the activations. ``gpu_memory_utilization`` (vLLM's): this process may use that share of the total
+    in all, so the pool gets it less what the process holds and the activations; never more than is free
+    (other processes' memory is not counted against the share, but cannot be taken either).
+    """
+    if cfg.gpu_memory_utilization is None:
+        return max(0, int((free - activations) * cfg.kv_cache_free_gpu_memory_fraction))
+    allowed = int(cfg.gpu_memory_utilization * total) - held - activations
+    return max(0, min(allowed, free - activations))
 
 
 # ops whose allocations (or host syncs) depend on the values they read, e.g. MoE routing sizes each
@@ -164,3 +185,16 @@ def profiling_chunks(max_num_tokens: int, max_seq_len: int, max_batch_size: int,
         chunks.append(SequenceChunk(tuple([0] * n), 0, tuple(range(next_block, next_block + blocks))))
         next_block, left = next_block + blocks, left - n
     return chunks, next_block - 1
+
+
+def _addressable(num_blocks: int, specs: list, block_size: int, explicit: bool) -> int:
+    """``num_blocks``, capped at what the kernels' 32-bit offsets reach in one layer's tensor."""
+    limit = KVPool.max_addressable_blocks(specs, block_size)
+    if num_blocks <= limit:
+        return num_blocks
+    if explicit:
+        raise RuntimeError(f"num_kv_blocks {num_blocks}: a layer's KV tensor would hold more than 2^31 elements, "
+                           f"beyond the attention kernels' 32-bit offsets; at most {limit} blocks of {block_size}")
+    log.info("KV cache capped at %d blocks (from %d): a layer's tensor holds at most 2^31 elements, what the "
+             "attention kernels' 32-bit offsets reach", limit, num_blocks)
+    return limit

@@ -34,6 +34,7 @@ from autodeploy.quantization.graph import (
     remove_params,
     stack_quant_linears,
 )
+from autodeploy.quantization.kv_cache import resolve_kv_cache
 from autodeploy.quantization.loading import register_quant_hooks, register_targets
 from autodeploy.quantization.params import ParameterWriter, QuantLinear
 from autodeploy.quantization.readers import read_quant_plan
@@ -202,12 +203,8 @@ class _Quantizer:
         return experts
 
     def _kv_line(self) -> str:
-        dtype = str(self.ctx.dtype).removeprefix("torch.")
-        if self.plan.kv_cache:
-            log.warning("%s: the checkpoint asks for a %s KV cache; the FP8 KV cache is not implemented yet, "
-                        "the KV cache stays %s", self.plan.method, self.plan.kv_cache, dtype)
-            return f"{dtype} (the checkpoint asks for {self.plan.kv_cache}: not implemented yet, its scales unused)"
-        return dtype
+        """The KV cache's dtype as ``insert_kv_cache`` will choose it (an unsupported KV scheme stops here)."""
+        return resolve_kv_cache(self.ctx.config.kv_cache_dtype, self.plan, self.ctx.dtype).describe()
 
 
 def _output_linear_modules(gm: fx.GraphModule) -> set[str]:

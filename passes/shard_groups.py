@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autodeploy.graph.matcher import schema_values
+
 from .gather_logits import find_lm_head
 from .shard_split import (
     ELEMENTWISE_OPS,
@@ -276,6 +278,10 @@ def _gated_mlp_group(node: fx.Node, world: int) -> ShardGroup:
 
 def _moe_group(node: fx.Node, world: int, mode: str) -> ShardGroup:
     w_gate_up, w_down = node.args[3:5]
+    layout = {k: v for k, v in schema_values(node) if k in _MOE_LAYOUT_OPTIONS and v not in (None, False)}
+    if layout:
+        raise ShardError(f"{node.name}: experts with {', '.join(sorted(layout))} (gpt-oss's layout) cannot be "
+                         "sharded yet; run them with tp_size 1")
     if not (is_param(w_gate_up) and is_param(w_down)):
         raise ShardError(f"{node.name}: expert weights that are not parameters")
     experts, inter = int(val(w_down).shape[0]), int(val(w_down).shape[2])
@@ -291,6 +297,9 @@ def _moe_group(node: fx.Node, world: int, mode: str) -> ShardGroup:
               ParamShard(str(w_down.target), "row", down_shape, 2, (Part(0, inter, world),)))
     return ShardGroup("moe", _module_of(params), params, "all_reduce", (node.name,),
                       f"{experts} experts, intermediate {inter} -> {inter // world}")
+
+
+_MOE_LAYOUT_OPTIONS = ("b_gate_up", "b_down", "transposed", "interleaved")
 
 
 def _plain_mlp_groups(gm, tracer: SplitTracer, world: int, groups: list[ShardGroup], notes: list[str]):

@@ -20,7 +20,7 @@ import torch
 
 from autodeploy.kvcache.block_manager import blocks_needed
 from autodeploy.kvcache.metadata import SequenceChunk
-from autodeploy.sampling_params import RequestOutputKind, SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 from .bench_stats import Distribution, latency_table
 from .engine import Engine, EngineConfig
@@ -216,16 +216,18 @@ class EngineStepTime:
 
 
 def engine_decode_step_ms(model, batch_size: int, context_len: int, steps: int = 20, warmup: int = 3,
-                          overlap: bool | None = None) -> EngineStepTime:
+                          overlap: bool | None = None, tokenizer=None,
+                          structured: StructuredOutput | None = None) -> EngineStepTime:
     """One engine decode step in steady state: ``batch_size`` sequences of ``context_len`` prompt
     tokens, all decoding (scheduling, metadata, sampling and bookkeeping included; with overlap they
-    run while the device computes).
+    run while the device computes). With ``structured`` (and the ``tokenizer`` its grammar is matched
+    against) every sequence samples under that grammar.
 
     The first prompts decode while later ones prefill, so every request gets enough tokens for that
     as well; a timed step that does not decode all ``batch_size`` sequences is an error (a shrinking
     batch made earlier engine rows at batch 256 look faster than they were)."""
-    engine = decoding_engine(model, batch_size, context_len, decode_tokens_needed(model, batch_size, context_len,
-                                                                                  warmup + steps), overlap)
+    max_tokens = decode_tokens_needed(model, batch_size, context_len, warmup + steps)
+    engine = decoding_engine(model, batch_size, context_len, max_tokens, overlap, tokenizer, structured)
     for _ in range(warmup):
         engine.step()
     _sync(model.device)
@@ -250,11 +252,14 @@ def decode_tokens_needed(model, batch_size: int, context_len: int, steps: int) -
     return steps + 2 + prefill_steps
 
 
-def decoding_engine(model, batch_size: int, context_len: int, max_tokens: int, overlap: bool | None = None) -> Engine:
+def decoding_engine(model, batch_size: int, context_len: int, max_tokens: int, overlap: bool | None = None,
+                    tokenizer=None, structured: StructuredOutput | None = None) -> Engine:
     """An engine whose ``batch_size`` requests (random prompts) have all been prefilled: every
-    further step decodes all of them, until ``max_tokens``."""
-    engine = Engine(model, None, EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False)
+    further step decodes all of them, until ``max_tokens`` (or their grammar ends them)."""
+    config = EngineConfig(max_batch_size=batch_size, enable_prefix_caching=False, overlap=overlap)
+    engine = Engine(model, tokenizer, config)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False,
+                            structured=structured)
     rng = random.Random(0)
     for i in range(batch_size):
         engine.add_request(str(i), [rng.randrange(model.vocab_size) for _ in range(context_len)], params)
@@ -270,22 +275,6 @@ def _all_decoding(schedule, batch_size: int) -> bool:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def add_offline_parser(subparsers: Any) -> None:
-    from autodeploy.cli import add_compile_options, flag
-
-    p = subparsers.add_parser("offline", help="engine throughput and latency over synthetic requests")
-    p.add_argument("model_dir", help="HF checkpoint directory (with --weights random, config.json is enough)")
-    flag(p, "input_len", type=int, default=128, help="prompt tokens per request (default 128)")
-    flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
-    flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
-    flag(p, "concurrency", type=int, default=None, help="requests in flight at once (default: all)")
-    flag(p, "temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    flag(p, "enable_prefix_caching", action="store_true", help="reuse KV of shared prefixes (default off)")
-    flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
-    add_compile_options(p)
-    p.set_defaults(func=cmd_offline)
 
 
 def cmd_offline(args: argparse.Namespace) -> int:

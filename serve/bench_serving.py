@@ -3,8 +3,11 @@
 Sends ``--num_requests`` synthetic requests to a running OpenAI-compatible server, either keeping
 ``--concurrency`` in flight or arriving as a Poisson process at ``--request_rate`` per second.
 Completions prompts are random token ids of exactly ``--input_len`` (no tokenizer needed on either
-side); every request asks for exactly ``--output_len`` tokens (``ignore_eos``), streamed. Reports
-TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and throughput.
+side), or with ``--tokenizer`` text of about that many tokens (random ids decoded, then encoded and
+cut back: the server tokenizes and detokenizes, as it does for real clients; the mean prompt length
+the server counted is reported). Every request asks for exactly ``--output_len`` tokens
+(``ignore_eos``), streamed. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and
+throughput.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class RequestRecord:
     start: float
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     end: float = 0.0
     error: str | None = None
 
@@ -41,10 +45,12 @@ class ServingResult:
     itl: Distribution
     e2e: Distribution
     first_error: str | None
+    mean_prompt_tokens: float = 0.0  # as the server counted them (its usage reports)
 
     def summary(self) -> str:
         lines = [
-            f"completed {self.completed}, failed {self.failed}, {self.seconds:.2f} s",
+            f"completed {self.completed}, failed {self.failed}, {self.seconds:.2f} s, "
+            f"{self.mean_prompt_tokens:.0f} prompt tokens per request",
             f"throughput {self.request_throughput:.2f} req/s, {self.output_throughput:.1f} output tok/s",
             latency_table([self.ttft, self.tpot, self.itl, self.e2e]),
         ]
@@ -53,7 +59,7 @@ class ServingResult:
         return "\n".join(lines)
 
 
-def make_payload(endpoint: str, model: str | None, prompt_ids: list[int], output_len: int) -> dict[str, Any]:
+def make_payload(endpoint: str, model: str | None, prompt: list[int] | str, output_len: int) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
@@ -61,10 +67,20 @@ def make_payload(endpoint: str, model: str | None, prompt_ids: list[int], output
     if model:
         payload["model"] = model
     if endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in prompt_ids)}]
+        content = prompt if isinstance(prompt, str) else " ".join(f"w{t}" for t in prompt)
+        payload["messages"] = [{"role": "user", "content": content}]
     else:
-        payload["prompt"] = prompt_ids
+        payload["prompt"] = prompt
     return payload
+
+
+def text_prompt(tokenizer: Any, rng: random.Random, length: int) -> str:
+    """About ``length`` tokens of text: random ids (no special ones) decoded, encoded again and cut to
+    ``length`` (decoding and encoding merge or split a few tokens), then decoded."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in (rng.randrange(len(tokenizer)) for _ in range(2 * length)) if i not in special][:length]
+    ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:length]
+    return tokenizer.decode(ids)
 
 
 async def send_one(client, url: str, payload: dict[str, Any], headers: dict[str, str]) -> RequestRecord:
@@ -92,21 +108,24 @@ def _read_event(line: str, record: RequestRecord) -> None:
         record.chunk_times.append(time.perf_counter())
     elif event.get("usage"):
         record.completion_tokens = event["usage"]["completion_tokens"]
+        record.prompt_tokens = event["usage"]["prompt_tokens"]
 
 
 async def run_benchmark(base_url: str, *, model: str | None = None, endpoint: str = "completions",
                         input_len: int = 128, output_len: int = 128, num_requests: int = 64,
                         concurrency: int | None = None, request_rate: float | None = None,
                         api_key: str | None = None, vocab_size: int = 32000, seed: int = 0,
-                        timeout: float = 600.0) -> ServingResult:
-    """Run the benchmark against ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+                        timeout: float = 600.0, tokenizer: Any = None) -> ServingResult:
+    """Run the benchmark against ``base_url`` (e.g. ``http://127.0.0.1:8000``); with ``tokenizer``, text
+    prompts (:func:`text_prompt`)."""
     import httpx
 
     rng = random.Random(seed)
     url = f"{base_url.rstrip('/')}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    payloads = [make_payload(endpoint, model, [rng.randrange(3, vocab_size) for _ in range(input_len)], output_len)
-                for _ in range(num_requests)]
+    prompts = [text_prompt(tokenizer, rng, input_len) if tokenizer is not None
+               else [rng.randrange(3, vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
+    payloads = [make_payload(endpoint, model, prompt, output_len) for prompt in prompts]
     limit = asyncio.Semaphore(concurrency or num_requests)
     limits = httpx.Limits(max_connections=concurrency or num_requests, max_keepalive_connections=concurrency or 64)
 
@@ -139,6 +158,7 @@ def summarize(records: list[RequestRecord], seconds: float) -> ServingResult:
         output_throughput=tokens / seconds, ttft=Distribution.of("TTFT", ttft), tpot=Distribution.of("TPOT", tpot),
         itl=Distribution.of("ITL", itl), e2e=Distribution.of("E2E", e2e),
         first_error=next((r.error for r in failed if r.error), None),
+        mean_prompt_tokens=sum(r.prompt_tokens for r in ok) / max(1, len(ok)),
     )
 
 
@@ -153,10 +173,12 @@ def add_serving_parser(subparsers: Any) -> None:
     flag(p, "output_len", type=int, default=128, help="generated tokens per request (default 128)")
     flag(p, "num_requests", type=int, default=64, help="requests (default 64)")
     group = p.add_mutually_exclusive_group()
-    flag(group, "concurrency", type=int, default=None, help="requests in flight at once")
-    group.add_argument("--max-concurrency", dest="concurrency", type=int, help=argparse.SUPPRESS)  # vLLM's name
+    group.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
+                       help="requests in flight at once (--max-concurrency: vLLM's benchmark's name)")
     flag(group, "request_rate", type=float, default=None, help="Poisson arrivals per second")
     flag(p, "vocab_size", type=int, default=32000, help="random prompt ids are drawn below this (default 32000)")
+    flag(p, "tokenizer", default=None, help="send text prompts of about --input_len tokens of this tokenizer (a "
+         "directory); default: token-id prompts")
     flag(p, "api_key", default=None, help="API key of the server")
     p.add_argument("--seed", type=int, default=0)
     flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -165,10 +187,13 @@ def add_serving_parser(subparsers: Any) -> None:
 
 
 def cmd_serving(args: argparse.Namespace) -> int:
+    from .tokenizer import load_tokenizer
+
     result = asyncio.run(run_benchmark(
         args.base_url, model=args.model, endpoint=args.endpoint, input_len=args.input_len,
         output_len=args.output_len, num_requests=args.num_requests, concurrency=args.concurrency,
         request_rate=args.request_rate, api_key=args.api_key, vocab_size=args.vocab_size, seed=args.seed,
+        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
     ))
     print(result.summary())
     if args.output_json:

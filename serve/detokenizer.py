@@ -61,6 +61,21 @@ class IncrementalDetokenizer:
         self._stop_state, ended = self._stops.advance(self._stop_state, new)
         return self._cut_at_stop(before) if ended and check_stop else None
 
+    def add_tokens(self, token_ids: Sequence[int], num_before: int, min_tokens: int,
+                   ends_with_stop_token: bool = False) -> tuple[int, str] | None:
+        """Decode the generated tokens that follow the first ``num_before``. With ``ends_with_stop_token``
+        the last one (EOS or a stop token id) stays out of the text unless the request asked to include
+        stops. A stop string is looked for once ``min_tokens`` are out; when one completes, returns
+        (generated tokens kept: those up to the one that completed it, the stop string)."""
+        if ends_with_stop_token and not self.include_stop and token_ids:
+            token_ids = token_ids[:-1]
+        for i, token in enumerate(token_ids):
+            produced = num_before + i + 1
+            stop = self.add_token(token, check_stop=produced >= min_tokens)
+            if stop is not None:
+                return produced, stop
+        return None
+
     def take_new_text(self, finished: bool) -> str:
         """Text not handed out yet, minus a tail that could still grow into a stop string."""
         held = self._stops.held(self._stop_state) if self._stops is not None and not finished else 0

@@ -28,21 +28,23 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 import torch
 
 from autodeploy.compiled import CompiledModel
-from autodeploy.kvcache.block_manager import BlockManager, blocks_needed
+from autodeploy.kvcache.block_manager import BlockManager
 from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
-from autodeploy.sampling_params import RequestOutputKind, SamplingParams
+from autodeploy.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request_bounds import RequestBounds, check_request
 from .runner import ModelRunner, PendingStep
 from .sampler import Sampler
 from .scheduler import ScheduledChunk, Schedule, Scheduler
 from .sequence import Request, Sequence, Status, new_sequences
+from .structured import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger("autodeploy.serve.engine")
 
@@ -53,10 +55,13 @@ class EngineConfig:
 
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
+    max_num_prefill_tokens: int | None = None  # prompt tokens per step (None: the whole token budget)
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # use only this many of the model's KV blocks
     overlap: bool | None = None  # default: on for CUDA, off on the CPU
     freeze_gc: bool | None = None  # default: on for CUDA (see _freeze_long_lived_objects)
+    # structured outputs: compile grammars in a worker process under this deadline (None: here, unbounded)
+    grammar_compile_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,15 @@ class EngineStats:
 
     num_running: int  # sequences (a request with n choices has n)
     num_waiting: int
+    num_running_requests: int  # requests with a sequence running
+    num_waiting_requests: int  # requests with none running and one waiting
     num_blocks: int
     num_used_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # what compiled or was captured after the server said ready, by kind (``compile_watch``)
+    compiles_after_ready: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
@@ -89,18 +98,22 @@ class Engine:
         caching = config.enable_prefix_caching and not model.num_state_slots  # a prefix comes without its state
         self.blocks = BlockManager(num_blocks, model.block_size, caching, num_state_slots=model.num_state_slots)
         self.max_num_tokens = min(config.max_num_tokens or model.config.max_num_tokens, model.config.max_num_tokens)
-        self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens)
-        self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device))
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens,
+                                   config.max_num_prefill_tokens)
+        self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
+        self.structured = None if tokenizer is None else StructuredOutputs(GrammarCompiler(
+            tokenizer, model.vocab_size, self.eos_token_ids, config.grammar_compile_timeout))
+        self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device, self.structured))
         self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
         if config.freeze_gc if config.freeze_gc is not None else model.device.type == "cuda":
             _freeze_long_lived_objects()
-        self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._in_flight: PendingStep | None = None  # launched, its tokens not yet on the host (overlap)
         self.last_schedule = Schedule(())  # what the last step launched (benchmarks read it)
         self.last_resolved = Schedule(())  # whose results the last step waited for (with overlap: the one before)
         self.wait_seconds = 0.0  # host time spent waiting for the device's results (benchmarks read it)
+        self.compile_watch = None  # counts compiles after ready (``compile_watch.CompileWatch``), once serving
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -116,6 +129,8 @@ class Engine:
         self.check_request(prompt, params)
         request = Request(request_id, prompt, params, arrival_time or time.monotonic(),
                           frozenset(self.eos_token_ids), self._total_tokens(prompt, params), frozenset(params.stop_token_ids))
+        if params.structured is not None:
+            self.structured.prepare(params.structured)
         seqs = new_sequences(request, self.tokenizer)
         for seq in seqs:
             if params.seed is not None:
@@ -134,6 +149,13 @@ class Engine:
                 self._finish(seq, "abort", None)
         return self._request_output(request_id, seqs)
 
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a request's grammar into the engine's cache now (thread-safe; the server calls it before
+        adding the request); ``GrammarError``, a ``ValueError``, with the reason when it cannot be compiled."""
+        if self.structured is None:
+            raise ValueError("structured outputs need a tokenizer (the grammar is matched against its vocabulary)")
+        self.structured.compiler.compile(spec)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -148,15 +170,40 @@ class Engine:
         return len(self._requests)
 
     def stats(self) -> EngineStats:
+        running = {seq.request.request_id for seq in self.scheduler.running}
+        waiting = {seq.request.request_id for seq in self.scheduler.waiting} - running
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_running_requests=len(running),
+            num_waiting_requests=len(waiting),
             num_blocks=self.blocks.num_blocks,
             num_used_blocks=self.blocks.num_used,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            compiles_after_ready=self.compile_watch.counts() if self.compile_watch is not None else {},
         )
+
+    def reset_counters(self) -> None:
+        """Start the running totals of :meth:`stats` over (after the start-up warm-up's requests)."""
+        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        self.wait_seconds = 0.0
+
+    def stop_sequences(self, stops: Seq[tuple[str, int, str]]) -> list[RequestOutput]:
+        """Finish these (request id, choice index) sequences with a stop string found outside the engine
+        (the API process detokenizes when the engine runs in a process of its own); returns the reports."""
+        touched = {}
+        for request_id, index, stop in stops:
+            seqs = self._requests.get(request_id)
+            seq = next((s for s in seqs or () if s.index == index), None)
+            if seq is None or seq.is_finished:
+                continue
+            seq.drop_pending_tokens()
+            self._finish(seq, "stop", stop)
+            touched[request_id] = seqs
+        return [self._request_output(rid, seqs) for rid, seqs in touched.items()]
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -339,19 +386,15 @@ class Engine:
             return
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :]  # not output_token_ids: no full copy
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        if new and stopped_by_token and not seq.params.include_stop_str_in_output:
-            new = new[:-1]  # the stop token (EOS or a stop id) is not part of the text
-        for i, token in enumerate(new):
-            produced = seq.num_detokenized + i + 1
-            stop = seq.detokenizer.add_token(token, check_stop=produced >= seq.params.min_tokens)
-            if stop is not None:
-                del seq.token_ids[seq.num_prompt_tokens + produced :]
-                del seq.logprobs[produced:]
-                if seq.is_finished:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self._finish(seq, "stop", stop)
-                break
+        cut = seq.detokenizer.add_tokens(new, seq.num_detokenized, seq.params.min_tokens, stopped_by_token)
+        if cut is not None:
+            produced, stop = cut
+            del seq.token_ids[seq.num_prompt_tokens + produced :]
+            del seq.logprobs[produced:]
+            if seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self._finish(seq, "stop", stop)
         seq.num_detokenized = seq.num_output_tokens
 
     def _request_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
@@ -393,22 +436,12 @@ class Engine:
 
     def check_request(self, prompt: Seq[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` (a client error) if this request can never be served."""
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})")
-        if params.stop and (self.tokenizer is None or not params.detokenize):
-            raise ValueError("stop strings need detokenization (a tokenizer)")
-        max_tokens = params.max_tokens or 1
-        if len(prompt) + max_tokens > self.model.max_seq_len:
-            raise ValueError(context_length_message(self.model.max_seq_len, len(prompt), params.max_tokens))
-        if blocks_needed(len(prompt) + max_tokens, self.blocks.block_size) > self.blocks.num_blocks:
-            raise ValueError(
-                f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens; this request needs "
-                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the completion)"
-            )
+        check_request(prompt, params, self.request_bounds, self.tokenizer is not None)
+
+    @property
+    def request_bounds(self) -> RequestBounds:
+        return RequestBounds(self.model.vocab_size, self.model.max_seq_len, self.blocks.num_blocks,
+                             self.blocks.block_size)
 
 
 def _from_first_token(chunk: ScheduledChunk) -> ScheduledChunk:
@@ -445,16 +478,6 @@ def raise_if_device_fault(exc: BaseException) -> None:
     no single request to blame and the engine must stop. Anything else may be one request's fault."""
     if isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc):
         raise exc
-
-
-def context_length_message(max_len: int, prompt_len: int, max_tokens: int | None) -> str:
-    """The error text clients (and lm-eval) look for: it names "maximum context length"."""
-    requested = prompt_len + (max_tokens or 0)
-    return (
-        f"This model's maximum context length is {max_len} tokens. However, you requested {requested} tokens "
-        f"({prompt_len} in the prompt, {max_tokens or 0} in the completion). "
-        "Please reduce the length of the prompt or completion."
-    )
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -42,6 +46,8 @@ class OpenAIError(Exception):
         return error_body(self.status, self.message, self.param)
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse  # (not at import: the CLI's --help imports this module)
+
         return JSONResponse(self.body(), status_code=self.status)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from autodeploy.sampling_params import MAX_LOGPROBS
+
 from .errors import bad_request
 
 # the most any server takes (the request schema says so, and stops reading a longer list there);
@@ -34,6 +36,12 @@ class RequestLimits(BaseModel):
                                               "(rendered in a sandboxed worker process with a deadline)")
     chat_template_timeout: float = Field(1.0, gt=0, le=60, description="seconds a client's chat template may "
                                          "take to render")
+    max_grammar_chars: int = Field(64 * 1024, ge=16, description="longest structured-output grammar (JSON schema, "
+                                   "regex, choices, EBNF, or the schema of the tools a tool choice forces), in characters")
+    grammar_compile_timeout: float = Field(10.0, gt=0, le=600, description="seconds a grammar may take to compile "
+                                           "(in a worker process, killed past it; failures are cached)")
+    max_logprobs: int = Field(MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS, description="most log-probabilities per token a "
+                              f"request may ask for (logprobs, top_logprobs, prompt_logprobs; at most {MAX_LOGPROBS})")
 
     def check_stop(self, stop: str | list[str] | None) -> None:
         stops = [stop] if isinstance(stop, str) else stop or []
@@ -45,11 +53,25 @@ class RequestLimits(BaseModel):
             raise bad_request(f"stop strings may be at most {self.max_stop_string_chars} characters, got one of "
                               f"{longest} (the server's --max_stop_string_chars)", "stop")
 
+    def check_logprobs(self, params) -> None:
+        """``params`` (SamplingParams) asks for at most ``max_logprobs`` alternatives per token."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise bad_request(f"{name}: {value} log-probabilities per token were asked for; this server returns "
+                                  f"at most {self.max_logprobs} (its --max_logprobs)", name)
+
     def check_sequences(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_sequences_per_request:
             raise bad_request(f"this request would start {num_prompts} x {n} = {num_prompts * n} sequences; at most "
                               f"{self.max_sequences_per_request} are allowed (the server's --max_sequences_per_request)",
                               "n")
+
+    def check_grammar(self, spec) -> None:
+        """``spec``: the request's ``StructuredOutput`` (or None)."""
+        if spec is not None and len(spec.spec) > self.max_grammar_chars:
+            raise bad_request(f"the structured-output grammar has {len(spec.spec)} characters; this server takes at "
+                              f"most {self.max_grammar_chars} (its --max_grammar_chars)", "response_format")
 
     def prompt_tokens(self, max_model_len: int) -> int:
         """The longest prompt this server takes, in tokens."""

@@ -15,12 +15,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from autodeploy.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_SEED,
                                         MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams)
 
 from .limits import STOP_STRING_CHARS_CEILING, STOP_STRINGS_CEILING
+from .structured_request import StructuredFields
+from .tools import NO_TOOLS, ToolChoice, ToolDefinition, ToolPlan, message_for_template
 
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
@@ -48,8 +50,8 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredFields, OpenAIModel):
+    """Fields shared by completions and chat completions (structured outputs: ``structured_request``)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -74,8 +76,14 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        tools: ToolPlan = NO_TOOLS):
         """The engine's view of this request; ``ValueError`` for combinations it rejects."""
+        structured = self.structured_output()
+        if tools.structured is not None:
+            if structured is not None:
+                raise ValueError("a required or named tool_choice cannot be combined with another structured output")
+            structured = tools.structured
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
@@ -98,7 +106,8 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens and not tools.keep_special_tokens,
+            structured=structured,
         )
 
     @property
@@ -142,7 +151,8 @@ class ChatMessage(OpenAIModel):
     content: str | list[dict[str, Any]] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """A plain dict whose content is a string (text parts joined), as templates expect."""
+        """A plain dict whose content is a string (text parts joined), as templates expect; an assistant's
+        ``tool_calls`` with their arguments as dicts (see ``tools.message_for_template``)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             parts = []
@@ -151,7 +161,7 @@ class ChatMessage(OpenAIModel):
                     raise ValueError(f"content part type '{part.get('type')}' is not supported (text only)")
                 parts.append(str(part.get("text", "")))
             message["content"] = "\n".join(parts)
-        return message
+        return message_for_template(message)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -160,8 +170,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # a client's own template: refused unless the server trusts them
@@ -171,13 +182,15 @@ class ChatCompletionRequest(SamplingFields):
         # max_completion_tokens is the newer name and wins (OpenAI deprecates max_tokens)
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, tools: ToolPlan = NO_TOOLS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs, tools)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (OpenAI's shape, as plain dicts)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -249,9 +262,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        """``reasoning_content`` only when there was reasoning (as vLLM: clients read its presence)."""
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -274,6 +308,17 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's delta shape (tool_parsers.ToolCallStream)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        """Reasoning and tool-call keys only in the deltas that carry them."""
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

@@ -52,8 +52,15 @@ class PendingStep:
         self.rows = {seq: row for row, seq in enumerate(sampled)}
         self.device_token_ids = device_token_ids
         self.token_index: dict[Sequence, int] = {}
+        self._result: StepResult | None = None
 
     def wait(self) -> StepResult:
+        """The step's results (waited for once; structured outputs may ask before the engine does)."""
+        if self._result is None:
+            self._result = self._wait()
+        return self._result
+
+    def _wait(self) -> StepResult:
         host = self._pending.wait()
         result = StepResult()
         for row, seq in enumerate(self._sampled):
@@ -89,7 +96,7 @@ class ModelRunner:
         if sampling:
             rows = [row for row, _ in sampling]
             sample_logits = logits if rows == list(range(logits.shape[0])) else logits[self._index(rows)]
-            tensors.update(self.sampler.sample(sample_logits, [seq for _, seq in sampling]))
+            tensors.update(self.sampler.sample(sample_logits, [seq for _, seq in sampling], previous))
         prompt_rows = self._prompt_logprobs(schedule.chunks, last_rows, logits, tensors)
         return PendingStep(schedule, [seq for _, seq in sampling], prompt_rows, PendingTokens(tensors),
                            tensors.get("token_ids"))

@@ -5,11 +5,12 @@ copied without blocking, so nothing here waits for the device: the only synchron
 step is reading the sampled ids (and requested log-probabilities) back, in
 :meth:`PendingTokens.wait`.
 
-Order of processing (as vLLM): penalties and ``min_tokens`` masking on the raw logits (greedy
-decoding sees them too), then temperature, top-k/top-p, min-p, and finally a draw by the
-exponential-race trick: ``argmax(probs / q)`` with ``q ~ Exp(1)`` is a sample from ``probs``.
-Each seeded request draws its ``q`` from its own generator, so its tokens do not depend on what
-else is in the batch. Reported log-probabilities are those of the raw model distribution.
+Order of processing (as vLLM): a grammar's allowed-token bitmask (structured outputs), penalties and
+``min_tokens`` masking on the raw logits (greedy decoding sees them too), then temperature,
+top-k/top-p, min-p, and finally a draw by the exponential-race trick: ``argmax(probs / q)`` with
+``q ~ Exp(1)`` is a sample from ``probs``. Each seeded request draws its ``q`` from its own
+generator, so its tokens do not depend on what else is in the batch. Reported log-probabilities are
+those of the model's distribution (a grammar's excluded tokens at -inf, as vLLM reports them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from autodeploy.kernels.argmax import argmax_rows
 
 from .sequence import Sequence
+from .structured import StructuredOutputs, apply_token_bitmask
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -60,13 +62,19 @@ def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, structured: StructuredOutputs | None = None):
         self.vocab_size = vocab_size
         self.device = device
+        self.structured = structured
 
-    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> dict[str, torch.Tensor]:
-        """Token ids ``[B]`` (and log-probabilities if any row wants them), still on the device."""
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], previous=None) -> dict[str, torch.Tensor]:
+        """Token ids ``[B]`` (and log-probabilities if any row wants them), still on the device. Rows with a
+        grammar sample only tokens it allows (``previous``: the step in flight, see ``structured``)."""
         params = [s.params for s in seqs]
+        if self.structured is not None:
+            masks = self.structured.bitmask(seqs, previous)
+            if masks is not None:
+                logits = apply_token_bitmask(logits, *masks)
         if all(p.greedy and p.logprobs is None and not p.uses_penalties and not p.min_tokens for p in params):
             # the common case, kept to the argmax alone, in the model's dtype (exact in fp32 too)
             return {"token_ids": greedy_ids(logits)}

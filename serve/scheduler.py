@@ -1,14 +1,21 @@
 """The scheduler: which sequences run in the next step, and how many of their tokens.
 
-Each step fills a budget of ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
+Each step fills a budget of ``max_num_tokens`` tokens and ``max_batch_size`` sequences, of which at
+most ``max_num_prefill_tokens`` are prompt tokens (the latency policy: a step that prefills a long
+prompt while others decode costs every decoding client that step's time between two tokens, so the
+prompt is cut into chunks that keep such steps short):
 
-1. Running sequences first, oldest first: one token for a decode, the next chunk of the prompt
-   for a sequence still prefilling (chunked prefill). If the KV blocks for that run out, the newest
-   running sequence is preempted: its blocks are freed and it goes back to the front of the
-   waiting queue to be recomputed later (its generated tokens are kept).
-2. Then waiting sequences, first come first served, as long as the budget and free blocks allow.
+1. Decodes first: every running sequence with one token to run, oldest first. So no prompt, however
+   long, ever takes a decoding sequence's place in a step.
+2. Then the running sequences still prefilling, oldest first: the next chunk of each prompt
+   (chunked prefill), within the prefill budget.
+3. Then waiting sequences, first come first served, as long as both budgets and free blocks allow.
    A sequence starting (or restarting) takes the longest cached prefix of its tokens from the
    block manager first and only runs the rest.
+
+If the KV blocks run out, the newest running sequence not yet in this step is preempted: its blocks
+are freed and it goes back to the front of the waiting queue to be recomputed later (its generated
+tokens are kept).
 
 A model with recurrent or convolution state (see ``kvcache/state_pool.py``) needs a state slot per
 running sequence: admission takes one from the block manager with the blocks, and every release
@@ -59,10 +66,13 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 max_num_prefill_tokens: int | None = None):
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        # None: prompts may take the whole token budget
+        self.max_num_prefill_tokens = min(max_num_prefill_tokens or max_num_tokens, max_num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,30 +85,26 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> Schedule:
-        budget = self.max_num_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Sequence] = []
-        i = 0
-        while i < len(self.running) and budget > 0 and len(chunks) < self.max_batch_size:
-            seq = self.running[i]
-            if seq.awaits_last_token:
-                i += 1
-                continue
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow_or_preempt(seq, n, preempted):
-                break  # seq itself was the newest and got preempted
-            chunks.append(_chunk(seq, n))
-            budget -= n
-            i += 1
+        step = _StepBuilder(self.max_num_tokens, self.max_num_prefill_tokens, self.max_batch_size)
+        for seq in [s for s in self.running if s.num_uncomputed == 1 and not s.awaits_last_token]:
+            if step.full:
+                break
+            if seq.status is Status.RUNNING and self._grow_or_preempt(seq, 1, step):
+                step.add(_chunk(seq, 1), prefill=False)
+        for seq in [s for s in self.running if s.num_uncomputed > 1]:
+            if step.full or not step.prefill_budget:
+                break
+            n = min(seq.num_uncomputed, step.prefill_budget)
+            if seq.status is Status.RUNNING and self._grow_or_preempt(seq, n, step):
+                step.add(_chunk(seq, n), prefill=True)
         # Admitting new work right after a preemption would only thrash the cache.
-        while self.waiting and budget > 0 and len(chunks) < self.max_batch_size and not preempted:
-            chunk = self._admit(self.waiting[0], budget)
+        while self.waiting and not step.full and step.prefill_budget and not step.preempted:
+            chunk = self._admit(self.waiting[0], step.prefill_budget)
             if chunk is None:
                 break
             self.waiting.popleft()
-            chunks.append(chunk)
-            budget -= chunk.num_tokens
-        return Schedule(tuple(chunks), tuple(preempted))
+            step.add(chunk, prefill=True)
+        return Schedule(tuple(step.chunks), tuple(step.preempted))
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its blocks at once."""
@@ -109,14 +115,18 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def _grow_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, n: int, step: _StepBuilder) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``, preempting the newest running sequences not in this
+        step while they are short; False if ``seq`` cannot run now (it may have been preempted itself)."""
         need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
         if need <= 0:  # most decodes: the last block has room
             return True
         while need > self.blocks.num_free:
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s not in step.scheduled), None)
+            if victim is None:
+                return False
             self._preempt(victim)
-            preempted.append(victim)
+            step.preempted.append(victim)
             if victim is seq:
                 return False
         seq.block_ids.extend(self.blocks.allocate(need))
@@ -163,6 +173,31 @@ class Scheduler:
 
     def _has_state_slot_for(self, seq: Sequence) -> bool:
         return not self.blocks.num_state_slots or seq.state_slot >= 0 or self.blocks.num_free_state_slots > 0
+
+
+class _StepBuilder:
+    """The chunks of one step so far and what is left of its budgets."""
+
+    def __init__(self, tokens: int, prefill_tokens: int, seqs: int):
+        self.tokens, self.prefill_tokens, self.seqs = tokens, prefill_tokens, seqs
+        self.chunks: list[ScheduledChunk] = []
+        self.scheduled: set[Sequence] = set()
+        self.preempted: list[Sequence] = []
+
+    @property
+    def full(self) -> bool:
+        return self.tokens <= 0 or len(self.chunks) >= self.seqs
+
+    @property
+    def prefill_budget(self) -> int:
+        return max(0, min(self.tokens, self.prefill_tokens))
+
+    def add(self, chunk: ScheduledChunk, prefill: bool) -> None:
+        self.chunks.append(chunk)
+        self.scheduled.add(chunk.seq)
+        self.tokens -= chunk.num_tokens
+        if prefill:
+            self.prefill_tokens -= chunk.num_tokens
 
 
 def _chunk(seq: Sequence, n: int) -> ScheduledChunk:

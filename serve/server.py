@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, error shapes, guards.
 
-Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+Routes: ``/v1/models`` (and ``/v1/models/{id}``), ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/tokenizer_info``, ``/health``, ``/version``, ``/metrics``, ``/openapi.json``.
 Every client mistake is a 400 in the OpenAI error shape (pydantic validation included, never
 FastAPI's 422), an unknown model a 404, a wrong method a 405 with ``Allow``, a body over the limit
@@ -111,21 +111,29 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses((401,)))
     async def models():
-        card = ModelCard(id=state.served_model_name, root=state.served_model_name,
-                         max_model_len=state.max_model_len or None)
-        return ModelList(data=[card])
+        return ModelList(data=[_model_card(state, name) for name in state.model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses((401, 404)))
+    async def model(model_id: str):
+        if model_id not in state.model_names:
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model")
+        return _model_card(state, model_id)
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, root=state.served_model_name, max_model_len=state.max_model_len or None)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses={**streaming_response(CompletionResponse),
                                             **error_responses(GENERATION_ERRORS)})
     async def completions(body: CompletionRequest, raw_request: Request):
-        return await create_completion(body, raw_request, state)
+        return await create_completion(state.sampling_defaults.fill(body), raw_request, state)
 
     @app.post("/v1/chat/completions", responses={**streaming_response(ChatCompletionResponse),
                                                  **error_responses(GENERATION_ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
-        return await create_chat_completion(body, raw_request, state)
+        return await create_chat_completion(state.sampling_defaults.fill(body), raw_request, state)
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:

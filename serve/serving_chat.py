@@ -2,7 +2,9 @@
 
 Streaming sends, per choice, a first chunk with ``delta: {"role": "assistant", "content": ""}``,
 then content deltas, then the finish reason; with ``stream_options.include_usage`` one last chunk
-with no choices and the usage.
+with no choices and the usage. Tool calls (``tools``, ``tool_choice``) and reasoning
+(``--reasoning-parser``) are read out of the output by ``chat_output`` (deltas of ``tool_calls`` and
+``reasoning_content`` when streaming).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .chat_output import ChoiceReader, chat_finish_reason
 from .errors import bad_request
 from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                       ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
-                       new_id)
-from .serving_common import SSE_DONE, ServerState, admit, collect, sse, sse_error
+                       ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo, new_id)
+from .reasoning import reasoning_parser
+from .serving_common import SSE_DONE, ServerState, admit, collect, compile_grammar, sse, sse_error
 from .tokenizer import token_strings
+from .tools import ToolPlan, plan_tools
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
@@ -30,15 +34,21 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         messages = [m.for_template() for m in body.messages]
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tools)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice") from None
     prompt_ids = await state.preprocess.chat(
         messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        tools=body.tools, chat_template=body.chat_template, template_kwargs=body.chat_template_kwargs,
+        tools=body.template_tools(), chat_template=body.chat_template, template_kwargs=body.chat_template_kwargs,
     )
-    params = admit(state, engine, prompt_ids, body.to_sampling_params, body.requested_max_tokens(), "messages")
+    params = admit(state, engine, prompt_ids, lambda max_tokens: body.to_sampling_params(max_tokens, plan),
+                   body.requested_max_tokens(), "messages")
     await state.preprocess.prepare_stop_strings(params.stop)
+    await compile_grammar(state, engine, params)
     request_id = new_id("chatcmpl")
     stream = engine.generate(request_id, prompt_ids, params)
-    view = _ChatView(body, state, request_id)
+    view = _ChatView(body, state, request_id, plan, params.structured is not None)
     if body.stream:
         return StreamingResponse(view.stream(stream), media_type="text/event-stream")
     (output,) = await collect([stream], raw_request)
@@ -46,15 +56,32 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 
 
 class _ChatView:
-    def __init__(self, body: ChatCompletionRequest, state: ServerState, request_id: str):
-        self.body, self.state, self.request_id = body, state, request_id
+    def __init__(self, body: ChatCompletionRequest, state: ServerState, request_id: str, plan: ToolPlan,
+                 structured: bool):
+        self.body, self.state, self.request_id, self.plan = body, state, request_id, plan
+        self.structured = structured
+        self._readers: dict[int, ChoiceReader] = {}
+
+    def _reader(self, index: int) -> ChoiceReader:
+        if index not in self._readers:
+            self._readers[index] = ChoiceReader(self.plan, self._reasoning_parser())
+        return self._readers[index]
+
+    def _reasoning_parser(self):
+        if not self.state.reasoning_parser:
+            return None
+        parser = reasoning_parser(self.state.reasoning_parser)
+        if self.structured:  # a grammar covers the whole output: no </think> means no reasoning at all
+            parser.all_reasoning_without_end = False
+        return parser
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=self._logprobs(c),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, called = self._reader(c.index).message(c.text)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c),
+                                      finish_reason=chat_finish_reason(c.finish_reason, self.plan, called),
+                                      stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=self.request_id, model=self.state.served_model_name, choices=choices,
                                       usage=_usage(out, completion_tokens))
@@ -71,9 +98,11 @@ class _ChatView:
                         yield self._chunk(ChatStreamChoice(index=choice.index,
                                                            delta=DeltaMessage(role="assistant", content="")))
                     completion_tokens += len(choice.token_ids)
-                    yield self._chunk(ChatStreamChoice(
-                        index=choice.index, delta=DeltaMessage(content=choice.text), logprobs=self._logprobs(choice),
-                        finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+                    reader = self._reader(choice.index)
+                    delta = reader.delta(choice.text, final=choice.finish_reason is not None)
+                    finish_reason = chat_finish_reason(choice.finish_reason, self.plan, reader.made_tool_calls)
+                    yield self._chunk(ChatStreamChoice(index=choice.index, delta=delta, logprobs=self._logprobs(choice),
+                                                       finish_reason=finish_reason, stop_reason=choice.stop_reason))
             if self.body.include_usage and last is not None:
                 yield sse(ChatCompletionChunk(id=self.request_id, model=self.state.served_model_name, choices=[],
                                               usage=_usage(last, completion_tokens)))

@@ -15,13 +15,16 @@ from pydantic import BaseModel
 from autodeploy.sampling_params import SamplingParams
 
 from .async_engine import AsyncEngine, EngineDeadError, ServerShuttingDownError
-from .engine import context_length_message
+from .request_bounds import context_length_message
 from .errors import OpenAIError, bad_request, error_body
+from .generation_config import SamplingDefaults
 from .guards import APIKeys
 from .limits import RequestLimits
 from .metrics import Metrics
 from .outputs import OutputAccumulator, RequestOutput
 from .preprocess import Preprocessor
+from .structured import GrammarError
+from .tools import ToolSettings
 
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -31,7 +34,9 @@ class ServerState:
     """What the handlers share. ``engine`` stays None while the model loads (503 until then).
 
     ``api_key`` (one or several) and ``api_key_file`` set the accepted keys (``guards.APIKeys``);
-    ``limits`` are the operator's request limits; ``draining`` is set on SIGTERM (503 from then on).
+    ``limits`` are the operator's request limits; ``sampling_defaults`` what requests that leave a sampling
+    parameter unset get; ``draining`` is set on SIGTERM (503 from then on); ``tools`` and
+    ``reasoning_parser`` say how chat replies are read (tool calls, reasoning).
     """
 
     served_model_name: str
@@ -39,6 +44,11 @@ class ServerState:
     api_key_file: str | None = None
     metrics_without_key: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    reasoning_parser: str | None = None
+    metrics_prefix: str = "both"  # /metrics names: both, autodeploy or vllm
+    model_aliases: tuple[str, ...] = ()  # other names requests may use for the served model
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # generation_config.json's
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     max_model_len: int = 0
@@ -48,7 +58,8 @@ class ServerState:
     preprocess: Preprocessor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None)
+        self.metrics = Metrics(self.served_model_name, lambda: self.engine.stats() if self.engine else None,
+                               self.metrics_prefix)
         self.keys = APIKeys(self.api_key, self.api_key_file)
 
     def attach(self, engine: AsyncEngine, tokenizer: Any, max_model_len: int) -> None:
@@ -67,8 +78,12 @@ class ServerState:
             raise OpenAIError(503, f"the engine has stopped: {self.engine.error}")
         return self.engine
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
+
     def check_model(self, name: str | None) -> None:
-        if name and name != self.served_model_name:
+        if name and name not in self.model_names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
 
 
@@ -78,7 +93,7 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
     state.limits.check_prompt_tokens(len(prompt_ids), state.max_model_len, prompt_param)
     if len(prompt_ids) >= state.max_model_len:
         raise bad_request(context_length_message(state.max_model_len, len(prompt_ids), requested), prompt_param)
-    max_tokens = requested if requested is not None else state.max_model_len - len(prompt_ids)
+    max_tokens = state.sampling_defaults.max_tokens_for(requested, state.max_model_len - len(prompt_ids))
     try:
         params = make_params(max_tokens)
         if state.tokenizer is None:
@@ -86,7 +101,20 @@ def admit(state: ServerState, engine: AsyncEngine, prompt_ids: list[int], make_p
         engine.check_request(prompt_ids, params)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    state.limits.check_logprobs(params)
     return params
+
+
+async def compile_grammar(state: ServerState, engine: AsyncEngine, params: SamplingParams) -> None:
+    """A structured output's grammar, checked against the limits and compiled into the engine's cache
+    before the request reaches the engine (off the event loop); a 400 with the grammar engine's reason."""
+    if params.structured is None:
+        return
+    state.limits.check_grammar(params.structured)
+    try:
+        await asyncio.to_thread(engine.compile_grammar, params.structured)
+    except GrammarError as exc:
+        raise bad_request(str(exc), "response_format") from None
 
 
 def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:

@@ -17,7 +17,7 @@ from .errors import bad_request
 from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
                        new_id)
-from .serving_common import SSE_DONE, ServerState, admit, collect, merge_streams, sse, sse_error
+from .serving_common import SSE_DONE, ServerState, admit, collect, compile_grammar, merge_streams, sse, sse_error
 from .tokenizer import token_strings
 
 
@@ -33,6 +33,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     token_lists = await asyncio.gather(*(state.preprocess.encode(p, body.add_special_tokens) for p in prompts))
     params = [admit(state, engine, ids, body.to_sampling_params, body.max_tokens, "prompt") for ids in token_lists]
     await state.preprocess.prepare_stop_strings(params[0].stop)
+    await compile_grammar(state, engine, params[0])
     request_id = new_id("cmpl")
     streams = [engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
     view = _CompletionView(body, state, request_id, prompts)

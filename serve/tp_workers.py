@@ -29,6 +29,8 @@ from autodeploy.distributed import TensorParallel, gather_to_driver, init_tensor
 from autodeploy.distributed_launch import host_store, spawn_ranks
 from autodeploy.distributed_steps import StepPublisher, follow_steps
 
+from .engine_process import exit_with_parent
+
 log = logging.getLogger("autodeploy.serve.tp")
 
 
@@ -116,7 +118,7 @@ def _abort_process_group() -> None:
 def _worker_main(rank: int, store, model_dir: str, compile_options: dict[str, Any], log_level: str) -> None:
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING),
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
-    _exit_with_parent()
+    exit_with_parent()
     job = init_tensor_parallel(compile_options["tp_size"], rank, store=store, device=compile_options.get("device", "auto"))
     serve_as_worker(model_dir, compile_options, job)
 
@@ -131,18 +133,6 @@ def serve_as_worker(model_dir: str, compile_options: dict[str, Any], job: Tensor
     steps = follow_steps(model, job)
     log.info("rank %d: stopped after %d steps", job.rank, steps)
     return 0
-
-
-def _exit_with_parent() -> None:
-    """A worker whose rank 0 is gone exits (it would otherwise wait for the next step forever)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="autodeploy-parent-watch", daemon=True).start()
 
 
 def rank_memory(model) -> dict[str, int]:

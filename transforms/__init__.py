@@ -13,6 +13,8 @@ for _name, _target in {
     "match_repeat_kv": "autodeploy.transforms.match_repeat_kv:MatchRepeatKV",
     "match_sdpa_attention": "autodeploy.transforms.match_attention:MatchSDPAAttention",
     "match_eager_attention": "autodeploy.transforms.match_attention:MatchEagerAttention",
+    "match_mla": "autodeploy.transforms.match_mla:MatchMLA",
+    "match_sink_attention": "autodeploy.transforms.match_sink_attention:MatchSinkAttention",
     "match_bmm_attention": "autodeploy.transforms.match_bmm_attention:MatchBmmAttention",
     "match_select_attention": "autodeploy.transforms.match_select_attention:MatchSelectAttention",
     "match_query_temperature": "autodeploy.transforms.match_query_temperature:MatchQueryTemperature",

@@ -33,10 +33,11 @@ _SCALINGS = (None, "mul", "div")  # scores not scaled, multiplied by a scale, di
 _IGNORE_REPEATS = {torch.ops.autodeploy.repeat_kv.default: {"n_rep"}, aten.softmax.int: {"dtype"}}
 
 
-def attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None, alibi_slopes=None):
+def attention_bnsd(q, k, v, scale, causal, sliding_window, logit_softcap, chunk_size=None, alibi_slopes=None,
+                   sinks=None):
     """Canonical attention on [B, H, S, D] tensors (the layout HF computes attention in)."""
     t = aten.transpose.int
-    variants = {"chunk_size": chunk_size, "alibi_slopes": alibi_slopes}  # passed only when used
+    variants = {"chunk_size": chunk_size, "alibi_slopes": alibi_slopes, "sinks": sinks}  # passed only when used
     out = torch.ops.autodeploy.attention.default(
         t(q, 1, 2), t(k, 1, 2), t(v, 1, 2), scale, causal, sliding_window, logit_softcap,
         **{name: value for name, value in variants.items() if value is not None},

@@ -16,6 +16,8 @@ import sys
 import torch
 from torch import fx
 
+from .slice_fill import fold_slice_fills
+
 aten = torch.ops.aten
 
 _ASSERT_TARGETS = {
@@ -109,7 +111,8 @@ def _is_whole_first_split(node: fx.Node) -> bool:
 
 def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop asserts, detaches and no-op dropouts/slices/splits/arithmetic, make private in-place arithmetic
-    out-of-place, eliminate dead code, lint and recompile."""
+    out-of-place, fold tensors filled slice by slice into ``cat`` (``slice_fill``), eliminate dead
+    code, lint and recompile."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -124,6 +127,7 @@ def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
         elif node.target in _INPLACE_ARITHMETIC and _mutation_is_private(node):
             node.target = _INPLACE_ARITHMETIC[node.target]
+    fold_slice_fills(gm)
     eliminate_dead_code(gm)
     return gm
 

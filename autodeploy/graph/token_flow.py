@@ -32,8 +32,8 @@ from .matcher import schema_values
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
 
-SEQUENCE_OPS = frozenset({  # history kept by the KV cache (attention) or the state pool (the state ops)
-    ad.attention.default,
+SEQUENCE_OPS = frozenset({  # history kept by the KV cache (attention; MLA: its latent) or the state pool (state ops)
+    ad.attention.default, ad.mla.default,
     ad.causal_conv1d.default, ad.ssm_scan.default, ad.gated_delta_rule.default,
     ad.causal_conv1d_cached.default, ad.ssm_scan_cached.default, ad.gated_delta_rule_cached.default,
 })

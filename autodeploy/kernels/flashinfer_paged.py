@@ -6,7 +6,9 @@ FlashInfer's plan/run API needs the batch shape on the host, so the first layer 
 A step is recognised by the identity *and* version counters of its metadata tensors, so reusing a
 static buffer updated in place (``copy_``) also triggers a new plan. Planning is a host operation:
 this backend runs eagerly and is not capturable in a CUDA graph (the Triton backend is).
-K/V are written into the cache by the Triton cache-write kernel, as in the Triton backend.
+K/V are written into the cache by the Triton cache-write kernel, as in the Triton backend. An FP8
+pool (``float8_e4m3fn``) is planned as FlashInfer's FP8 KV cache and run with the per-tensor k/v
+scales (FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale).
 """
 
 from __future__ import annotations
@@ -90,12 +92,13 @@ def _make_plan(q, kv_cache, query_lens, context_lens, block_table, scale, window
 
 def flashinfer_paged_attention(
     q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping,
-    scale: float, sliding_window: int | None, logit_softcap: float | None,
+    scale: float, sliding_window: int | None, logit_softcap: float | None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The contract of ``autodeploy::paged_attention`` (without sinks) on FlashInfer kernels."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     write_kv_cache(k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous(),
-                   kv_cache, slot_mapping, out, cu_seqlens)
+                   kv_cache, slot_mapping, out, cu_seqlens, k_scale, v_scale)
     kind = (q.shape[1:], kv_cache.shape[2:], q.dtype, kv_cache.dtype, scale, sliding_window, logit_softcap)
     metadata = (query_lens, context_lens, cu_seqlens, block_table)
     step = _step_of(metadata)
@@ -106,5 +109,6 @@ def flashinfer_paged_attention(
         _plans[kind] = plan
     if plan.num_rows:
         # sequences with query_len 0 own no rows, so the covered rows are the first num_rows tokens
-        plan.wrapper.run(q[: plan.num_rows].contiguous(), kv_cache, out=out[: plan.num_rows])
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if kv_cache.dtype == torch.float8_e4m3fn else {}
+        plan.wrapper.run(q[: plan.num_rows].contiguous(), kv_cache, out=out[: plan.num_rows], **scales)
     return out

@@ -85,7 +85,7 @@ def _paged_attention_kernel(
     scale, softcap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt, alibi_ptr, chunk,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rt, alibi_ptr, chunk, k_scale, v_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKEN_MERGE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
@@ -104,6 +104,9 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    KV_FP8: tl.constexpr = cache_ptr.dtype.element_ty == tl.uint8  # an FP8 pool, passed as its bytes
+    if KV_FP8:  # keys are attended to as cached, k / k_scale: their scores scaled back
+        scale = scale * k_scale
     # Before the PDL wait: what no kernel of this step writes. The step's metadata is copied in
     # before its first kernel, and the pool below each sequence's context length was written by
     # earlier steps (this launch writes only the new keys' slots, which it never reads back).
@@ -133,7 +136,8 @@ def _paged_attention_kernel(
         first_ok = (first_keys < cached_hi) & owned & (q_first < q_len)
         first_k, first_v = _load_key_block(
             first_keys, first_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_ptr, v_ptr, 0,
-            stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM)
+            stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, True, ROPE_NONE, ROT_DIM,
+            k_scale, v_scale)
         if SECOND_EARLY:  # the second block's table entries too: its K/V are fetched right after q
             second_keys = first_keys + BLOCK_N
             second_ok = (second_keys < cached_hi) & owned & (q_first < q_len)
@@ -158,7 +162,7 @@ def _paged_attention_kernel(
     v_head = v_ptr + kv_head * stride_vh
     if split == NUM_SPLITS - 1:
         _write_new_kv(k_head, v_head, slot, cache_head, q_rows, stride_kt, stride_vt, stride_cb, stride_cs,
-                      stride_ckv, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, ROPE, ROT_DIM)
+                      stride_ckv, dims, dim_ok, cos_ptr, sin_ptr, stride_rt, PAGE_SIZE, ROPE, ROT_DIM, k_scale, v_scale)
     if split >= active:  # no key of this tile falls to this split: it takes no part in the merge
         return
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
@@ -200,10 +204,12 @@ def _paged_attention_kernel(
         k_head, v_head, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window, chunk_lo, alibi,
         cos_ptr, sin_ptr, stride_rt,
         BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP,
-        DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N, HAS_CHUNK, HAS_ALIBI)
+        DOT_PRECISION, SPLIT_NEW_KEYS, ROPE, ROT_DIM, DIAG_BLOCK_N, HAS_CHUNK, HAS_ALIBI, k_scale, v_scale)
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
     normed = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:  # values were cached as v / v_scale (the split merge is linear: partials scale alike)
+        normed = normed * v_scale
     trace.stamp(trace_ptr, 3, (tl.sum(l_i) > 0).to(tl.int32), TRACE)
     if NUM_SPLITS == 1:
         _store_rows(out_ptr, q_rows, head, dims, stride_ot, stride_oh, store_mask, normed)
@@ -289,13 +295,16 @@ def paged_attention_fwd(
     alibi_slopes: torch.Tensor | None = None,
     launch: AttentionLaunch | None = None,
     trace_buffer: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write k/v into ``kv_cache`` and run paged causal attention of q [T, Hq, D] in one launch;
     returns [T, Hq, D] (rows of padding tokens past ``cu_seqlens[-1]`` are zero).
 
     With ``rope_cos``/``rope_sin`` ([T, R] per token) q and k are rotated in the kernel first (the
     rotated keys are cached). ``chunk_size``: each token sees only keys of its own chunk;
-    ``alibi_slopes`` [Hq]: ALiBi's per-head slopes. ``launch`` overrides the block sizes and split count chosen from the
+    ``alibi_slopes`` [Hq]: ALiBi's per-head slopes. A ``float8_e4m3fn`` pool is an FP8 KV cache:
+    the new k/v are stored as ``e4m3(k / k_scale)`` (and v), and read back times their scale. ``launch`` overrides the block sizes and split count chosen from the
     shapes (tests use it). ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs =
     (cdiv(T, block_q) + B) x KV heads x splits) records each program's events (``kernels/trace.py``).
     """
@@ -314,19 +323,21 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
-    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch)
+    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch, kv_cache.dtype == torch.float8_e4m3fn)
     has_window = sliding_window is not None and sliding_window > 0
     has_chunk = chunk_size is not None and chunk_size > 0
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else q  # (q: an unused pointer)
     preload = launch.decode and launch.preload_kv
+    pool = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache  # (FP8: its bytes)
     _paged_attention_kernel[grid](
-        out, part_out, part_lse, counters, q, k, v, kv_cache, sinks if sinks is not None else q, rope.cos, rope.sin,
+        out, part_out, part_lse, counters, q, k, v, pool, sinks if sinks is not None else q, rope.cos, rope.sin,
         context_lens, cu_seqlens, block_table, slot_mapping,
         trace.kernel_pointer(trace_buffer, grid[0] * grid[1] * grid[2], out),
         num_seqs, num_tokens, float(scale), float(logit_softcap or 1.0), int(sliding_window) if has_window else 0,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2], rope.stride, alibi, int(chunk_size) if has_chunk else 0,
+        float(k_scale), float(v_scale),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         PAGE_SIZE=kv_cache.shape[2], NUM_SPLITS=launch.num_splits,
@@ -348,14 +359,16 @@ def _token_merge_fits(num_splits: int, group: int, head_dim: int) -> bool:
     return pad(num_splits) * pad(group) * max(16, pad(head_dim)) <= MAX_TOKEN_MERGE
 
 
-def rope_decode_tuning(block_n: int) -> tuple[int, dict]:
+def rope_decode_tuning(block_n: int, fp8_pool: bool = False) -> tuple[int, dict]:
     """(keys per block of the diagonal loop, compile options) of a decode launch with a fused RoPE.
 
     Rotating a block of new keys holds it and its partner halves in registers (without RoPE they go
     from global to shared memory by cp.async). A decode tile has only a few new keys: blocks of 16
     keep that cost small, and a cap of 128 registers keeps 4 programs of 128 threads per SM, as
-    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py)."""
-    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
+    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py). An FP8
+    pool's kernel (e4m3 widened for the dots, new keys quantized) spills inside the loops under that
+    cap: it runs uncapped, as its launches without RoPE do."""
+    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {} if fp8_pool else {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
 
 
 @dataclass(frozen=True)
@@ -373,7 +386,7 @@ class _RoPEArgs:
 
     @classmethod
     def of(cls, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, q: torch.Tensor,
-           launch: AttentionLaunch) -> "_RoPEArgs":
+           launch: AttentionLaunch, fp8_pool: bool = False) -> "_RoPEArgs":
         if cos is None:  # unused pointers; the kernel compiles exactly as without these arguments
             return cls(q, q, 0, ROPE_NONE.value, 0, launch.block_n, {})
         rot_dim = cos.shape[-1]
@@ -383,7 +396,7 @@ class _RoPEArgs:
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
-        block_n, options = rope_decode_tuning(launch.block_n) if launch.decode else (launch.block_n, {})
+        block_n, options = rope_decode_tuning(launch.block_n, fp8_pool) if launch.decode else (launch.block_n, {})
         mode = ROPE_INTERLEAVED if interleaved else ROPE_HALF
         return cls(cos, sin, cos.stride(0), mode.value, rot_dim, block_n, options)
 

@@ -6,6 +6,13 @@ into the pool in the same launch, so it must never read them back from there. Wi
 embedding, q and every new key are rotated where they are loaded from the inputs (pooled keys were
 rotated before they were cached), each one in fp32 and rounded to the input dtype, as the
 ``rope_qk`` kernel rounds them.
+
+An FP8 pool is passed as its bytes (a ``uint8`` pointer: the interpreter reads e4m3 exactly only
+that way); every helper tells it from the pointer's type, so the code of a pool in a float dtype is
+unchanged. Pooled bytes are reinterpreted as e4m3; the step's new keys and values are quantized as
+the pool stores them (``_to_e4m3``: ``x / scale`` rounded on the e4m3 grid, saturating) before they
+are written or attended to. Attention takes e4m3 values as they are: the kernel folds ``k_scale``
+into the score scale and ``v_scale`` into the output.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import trace
+from .quant_gemm import round_to_e4m3
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Masking of a key block's scores (constexpr): none (every row sees every key), only keys past the
@@ -100,11 +108,11 @@ def _rotated(x, src, rope_rows, row_ok, dims, cos_ptr, sin_ptr, stride_rt,
 def _load_key_block(
     keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head, v_head, new_row0,
     stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr, stride_rt,
-    PAGE_SIZE: tl.constexpr, FROM_POOL: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, FROM_POOL: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, k_scale, v_scale,
 ):
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of ``keys`` (masked-out keys read as 0), from the
-    pool or from the step's inputs; new keys are rotated (ROPE) and rounded through the pool's dtype,
-    as the reference reads them back from the pool."""
+    pool or from the step's inputs; new keys are rotated (ROPE) and rounded through the pool's dtype
+    (an FP8 pool's: quantized with ``k_scale``/``v_scale``), as the reference reads them back from the pool."""
     if FROM_POOL:
         page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
         k_t, v = _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, stride_ckv, dims, dim_ok,
@@ -115,8 +123,7 @@ def _load_key_block(
         k_t, v = _load_kv_rows(k_src, v_head + row * stride_vt, key_ok, dims, dim_ok)
         if ROPE != ROPE_NONE:
             k_t = _rotated(k_t, k_src, row, key_ok, dims, cos_ptr, sin_ptr, stride_rt, ROPE, ROT_DIM, True)
-        cache_ty = cache_head.dtype.element_ty
-        k_t, v = k_t.to(cache_ty), v.to(cache_ty)
+        k_t, v = _as_cached(k_t, cache_head, k_scale), _as_cached(v, cache_head, v_scale)
     return k_t, v
 
 
@@ -126,7 +133,26 @@ def _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, str
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of pooled ``keys`` whose block-table entries
     (``page``, one per key) are already loaded."""
     k_src = cache_head + page * stride_cb + (keys % PAGE_SIZE) * stride_cs
-    return _load_kv_rows(k_src, k_src + stride_ckv, key_ok, dims, dim_ok)
+    k_t, v = _load_kv_rows(k_src, k_src + stride_ckv, key_ok, dims, dim_ok)
+    if cache_head.dtype.element_ty == tl.uint8:  # an FP8 pool's bytes
+        k_t, v = k_t.to(tl.float8e4nv, bitcast=True), v.to(tl.float8e4nv, bitcast=True)
+    return k_t, v
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """``x / scale`` as an FP8 pool stores it: rounded to the nearest e4m3 value (ties to even), saturating."""
+    return round_to_e4m3(tl.math.div_rn(x.to(tl.float32), scale)).to(tl.float8e4nv)
+
+
+@triton.jit
+def _as_cached(x, cache_head, scale):
+    """``x`` rounded through the pool's dtype as it is attended to (an FP8 pool: e4m3 of ``x / scale``)."""
+    if cache_head.dtype.element_ty == tl.uint8:  # (one return: the compiler types every return statement)
+        cached = _to_e4m3(x, scale)
+    else:
+        cached = x.to(cache_head.dtype.element_ty)
+    return cached
 
 
 @triton.jit
@@ -181,7 +207,7 @@ def _attend_range(
     cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FROM_POOL: tl.constexpr, MASK: tl.constexpr, ROPE: tl.constexpr,
-    ROT_DIM: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    ROT_DIM: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr, k_scale, v_scale,
 ):
     """Attend to the key blocks starting at lo, lo + BLOCK_N, ... below hi (keys >= kv_hi masked out).
 
@@ -205,7 +231,7 @@ def _attend_range(
             key_ok = keys < kv_hi
             k_t, v = _load_key_block(keys, key_ok, table, cache_head, stride_cb, stride_cs, stride_ckv, k_head,
                                      v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, cos_ptr, sin_ptr,
-                                     stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM)
+                                     stride_rt, PAGE_SIZE, FROM_POOL, ROPE, ROT_DIM, k_scale, v_scale)
             acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, keys, key_ok, pos, scale, softcap, window,
                                           chunk_lo, alibi, HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION, MASK, HAS_CHUNK,
                                           HAS_ALIBI)
@@ -256,7 +282,7 @@ def _attend_tile(
     chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_NEW_KEYS: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
-    DIAG_BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DIAG_BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr, k_scale, v_scale,
 ):
     """acc/m_i/l_i (unnormalised output, running max and sum, log2 domain) of one tile updated with the
     split's keys [kv_lo, kv_hi), except the pooled ones below ``cached_lo`` (already attended); the
@@ -276,19 +302,19 @@ def _attend_tile(
             q, acc, m_i, l_i, new_lo, diag_lo, kv_hi, pos, table, cache_head, stride_cb, stride_cs,
             stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
             chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
-            DOT_PRECISION, False, MASK_NONE, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI)
+            DOT_PRECISION, False, MASK_NONE, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI, k_scale, v_scale)
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, diag_lo, kv_hi, kv_hi, pos, table, cache_head, stride_cb, stride_cs, stride_ckv,
         k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, DIAG_BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
-        DOT_PRECISION, False, MASK_FULL, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI)
+        DOT_PRECISION, False, MASK_FULL, ROPE, ROT_DIM, HAS_CHUNK, HAS_ALIBI, k_scale, v_scale)
     CACHED_MASK: tl.constexpr = MASK_FULL if (HAS_WINDOW or HAS_CHUNK) else MASK_TAIL
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, cached_lo, cached_hi, cached_hi, pos, table, cache_head, stride_cb, stride_cs,
         stride_ckv, k_head, v_head, new_row0, stride_kt, stride_vt, dims, dim_ok, scale, softcap, window,
         chunk_lo, alibi, cos_ptr, sin_ptr, stride_rt, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, HAS_WINDOW,
         DOT_PRECISION, True, CACHED_MASK, ROPE_NONE, ROT_DIM, HAS_CHUNK,
-        HAS_ALIBI)  # pooled keys were rotated before they were cached
+        HAS_ALIBI, k_scale, v_scale)  # pooled keys were rotated before they were cached
     return acc, m_i, l_i
 
 
@@ -309,10 +335,11 @@ def _row_limits(pos, head, row_ok, chunk, alibi_ptr, HAS_CHUNK: tl.constexpr, HA
 def _write_new_kv(
     k_head, v_head, slot, cache_head, q_rows, stride_kt, stride_vt,
     stride_cb, stride_cs, stride_ckv, dims, dim_ok, cos_ptr, sin_ptr, stride_rt,
-    PAGE_SIZE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, k_scale, v_scale,
 ):
     """Write the tile's new K/V rows of one KV head into the pool at their ``slot`` (-1 = skip), the
-    keys rotated (ROPE) exactly as ``_load_key_block`` rotates them for attention.
+    keys rotated (ROPE) exactly as ``_load_key_block`` rotates them for attention (an FP8 pool: the
+    bytes of ``_to_e4m3``).
 
     Rows follow the tile's [token x query head] layout; ``slot`` is -1 on all but one row per token.
     """
@@ -324,6 +351,9 @@ def _write_new_kv(
     if ROPE != ROPE_NONE:
         key = _rotated(key, k_head + q_rows * stride_kt, q_rows, slot >= 0, dims, cos_ptr, sin_ptr, stride_rt,
                        ROPE, ROT_DIM, False)
+    if cache_ty == tl.uint8:  # an FP8 pool's bytes
+        key = _to_e4m3(key, k_scale).to(tl.uint8, bitcast=True)
+        value = _to_e4m3(value, v_scale).to(tl.uint8, bitcast=True)
     tl.store(dst[:, None] + dims[None, :], key.to(cache_ty), mask=ok)
     tl.store(dst[:, None] + stride_ckv + dims[None, :], value.to(cache_ty), mask=ok)
 

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (registers the ops)
     attention,
     collectives,
     fused_linear,
+    mla,
     mlp,
     norm,
     paged_attention,
@@ -20,4 +21,4 @@ from . import (  # noqa: F401  (registers the ops)
     state_ops,
 )
 
-__all__ = ["attention", "collectives", "fused_linear", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "quant_linear", "rope", "state_ops"]
+__all__ = ["attention", "collectives", "fused_linear", "mla", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "quant_linear", "rope", "state_ops"]

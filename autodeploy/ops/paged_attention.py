@@ -13,22 +13,44 @@ rotated keys are what is cached and attended to. None (the default): no rotation
 
 ``chunk_size`` and ``alibi_slopes`` (Llama-4 chunked attention, ALiBi) mean what they mean in
 ``autodeploy::attention``, with absolute positions (a token's position is its index in its sequence).
+
+FP8 KV cache (a ``float8_e4m3fn`` pool): the write stores ``e4m3(clamp(k / k_scale, +-448))``
+(rounded to nearest even, saturating; likewise v with ``v_scale``), and attention reads the cached
+keys and values as ``e4m3 * scale`` in fp32. The step's own new keys are attended to as they were
+cached, rounded through the pool's dtype like every other key. The scales are ignored for a pool in
+a float dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..quantization.numerics import FP8_DTYPE, round_to_fp8
 from .attention import alibi_bias, attention_reference, attention_scores_mask
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[valid].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[valid].to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = to_cache_dtype(k[valid], kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, offsets] = to_cache_dtype(v[valid], kv_cache.dtype, v_scale)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as the pool stores it: FP8 ``e4m3(clamp(x / scale, +-448))``, else a plain cast."""
+    if dtype == FP8_DTYPE:
+        return round_to_fp8(x, torch.tensor(scale, dtype=torch.float32, device=x.device))
+    return x.to(dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached keys or values as attention reads them: FP8 ``e4m3 * scale`` in fp32, else cast to ``dtype``."""
+    if x.dtype == FP8_DTYPE:
+        return x.float() * torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return x.to(dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +92,11 @@ def paged_attention(
     rope_interleaved: bool = False,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)
-    write_kv_cache(k, v, kv_cache, slot_mapping)
+    write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     out = torch.zeros_like(q)
     block_size = kv_cache.shape[2]
     for b, (n_q, n_ctx, start) in enumerate(zip(query_lens.tolist(), context_lens.tolist(), cu_seqlens.tolist())):
@@ -85,7 +109,8 @@ def paged_attention(
         allowed = attention_scores_mask(q_pos, k_pos, True, sliding_window, chunk_size)
         bias = alibi_bias(alibi_slopes, q_pos, k_pos) if alibi_slopes is not None else None
         out[start : start + n_q] = attention_reference(
-            q[start : start + n_q], keys.to(q.dtype), values.to(q.dtype), allowed, scale, logit_softcap, sinks, bias
+            q[start : start + n_q], from_cache(keys, q.dtype, k_scale), from_cache(values, q.dtype, v_scale), allowed,
+            scale, logit_softcap, sinks, bias,
         )
     return out
 

@@ -3,7 +3,8 @@
 Same schema as ``autodeploy::paged_attention``; no attention sinks, chunked attention or ALiBi
 (FlashInfer's paged kernels have no chunk mask, and its built-in ALiBi slopes are its own, not the
 model's: a layer using them is refused at compile time); head dims 64/128/256; a fused
-rotary embedding runs as the ``rope_qk`` kernel before the cache write. It is
+rotary embedding runs as the ``rope_qk`` kernel before the cache write; an FP8 pool runs as FlashInfer's
+FP8 KV cache with the per-tensor scales. It is
 registered whether or not FlashInfer is installed (so graphs naming it stay loadable); choosing it
 on a machine without ``flashinfer`` fails at compile time with the reason. Eager only: FlashInfer
 plans each step on the host (see ``autodeploy.kernels.flashinfer_paged``).
@@ -40,6 +41,8 @@ def paged_attention_flashinfer(
     rope_interleaved: bool = False,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     unsupported = {"attention sinks": sinks, "chunked attention": chunk_size, "ALiBi": alibi_slopes}
     for feature, value in unsupported.items():
@@ -50,7 +53,7 @@ def paged_attention_flashinfer(
     q, k = rotate_qk(q, k, rope_cos, rope_sin, rope_interleaved)  # FlashInfer's own RoPE takes positions
     return flashinfer_paged_attention(
         q, k, v, kv_cache, query_lens, context_lens, cu_seqlens, block_table, slot_mapping,
-        scale, sliding_window, logit_softcap,
+        scale, sliding_window, logit_softcap, k_scale, v_scale,
     )
 
 

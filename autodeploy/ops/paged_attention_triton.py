@@ -1,8 +1,8 @@
 """Triton backend of paged attention: ``autodeploy::paged_attention_triton``.
 
 Same schema and semantics as the reference ``autodeploy::paged_attention`` (cache write, then
-causal paged attention, optionally rotating q and k first; ``query_lens`` is implied by
-``cu_seqlens``). The kernels live in
+causal paged attention, optionally rotating q and k first; an FP8 pool quantized with the
+per-tensor ``k_scale``/``v_scale``; ``query_lens`` is implied by ``cu_seqlens``). The kernels live in
 ``autodeploy.kernels.paged_attention`` and are imported on first call. The op never synchronises
 with the host, so it can run inside a captured CUDA graph.
 """
@@ -35,13 +35,15 @@ def paged_attention_triton(
     rope_interleaved: bool = False,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     from ..kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
         q, k, v, kv_cache, cu_seqlens, context_lens, block_table, slot_mapping,
         scale, sliding_window, logit_softcap, sinks, rope_cos, rope_sin, rope_interleaved,
-        chunk_size=chunk_size, alibi_slopes=alibi_slopes,
+        chunk_size=chunk_size, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
     )
 
 

@@ -11,8 +11,9 @@ Flattened token layout, like attention: every token of a step is a row of T. Eac
   marks padding: zeros, nothing written) and writes its final state back to that slot.
 
 The math (torch references) is in ``state_reference``; the cached ops run it sequence by sequence
-on every device (a host loop over ``cu_seqlens``: it synchronizes, so ``compile_cuda_graphs`` skips
-models with state ops). SSM and delta-rule outputs are fp32 (the state's precision); the convolution
+on every device (a host loop over ``cu_seqlens``: it synchronizes, so ``compile_cuda_graphs`` captures
+no decode graph for a model with state ops, and piecewise graphs run them eagerly between the
+pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM and delta-rule outputs are fp32 (the state's precision); the convolution
 keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
 """
 
@@ -140,11 +141,6 @@ def _sequences(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tenso
         if end > start:
             resumes = slot >= 0 and context[b] > 0
             yield start, end, slot, state[slot] if resumes else state.new_zeros(state.shape[1:])
-
-
-def has_state_ops(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph runs a cached state op (a model with recurrent or convolution state)."""
-    return any(gm.graph.find_nodes(op="call_function", target=op) for op in STATE_OPS.values())
 
 
 STATE_OPS = {  # plain op -> its cached form

@@ -3,10 +3,10 @@
 - ModelOpt (``hf_quant_config.json`` ``{"producer": {"name": "modelopt"}, "quantization": {...}}``,
   or ``config.json`` ``quantization_config`` with ``quant_method: modelopt``): ``quant_algo`` FP8
   (per-tensor weight and static input scales), FP8_PER_CHANNEL_PER_TOKEN, NVFP4 (group 16);
-  ``exclude_modules``; ``kv_cache_quant_algo``.
+  ``exclude_modules``; ``kv_cache_quant_algo`` (FP8: an FP8 KV cache, ``quantization/kv_cache.py``).
 - compressed-tensors (llm-compressor): one config group of 8-bit float weights, strategy
   ``tensor``/``channel``/``block``, input activations static per tensor, dynamic per token or
-  dynamic per group (block); ``ignore``; ``kv_cache_scheme``.
+  dynamic per group (block); ``ignore``; ``kv_cache_scheme`` (8-bit float per tensor: an FP8 KV cache).
 - Block-scaled FP8 (``quant_method: fp8``, DeepSeek-V3 / Qwen3 FP8 releases): ``weight_block_size``,
   ``weight_scale_inv``, dynamic activations per token group; ``modules_to_not_convert``.
 
@@ -27,6 +27,10 @@ from .scheme import LinearFormat, QuantPlan
 # activations (vLLM's and TensorRT-LLM's online FP8 too); nvfp4 as ModelOpt's NVFP4 weights
 ONLINE_FORMATS = {"fp8": LinearFormat("fp8", "channel", "token"), "nvfp4": LinearFormat("nvfp4", "nvfp4", "none")}
 ONLINE_METHODS = tuple(ONLINE_FORMATS)
+# vLLM's --quantization names of stored formats (the plan's method starts with the value): with a
+# checkpoint stored that way they only confirm it; with any other checkpoint they are an error
+CHECKPOINT_METHODS = {"modelopt": "modelopt FP8", "modelopt_fp4": "modelopt NVFP4",
+                      "compressed-tensors": "compressed-tensors", "fp8": "fp8 block"}
 
 
 def read_quant_plan(model_dir: Path | None, online: str | None = None) -> QuantPlan | None:
@@ -35,8 +39,13 @@ def read_quant_plan(model_dir: Path | None, online: str | None = None) -> QuantP
     if online is None:
         return stored
     if stored is not None:
+        if stored.method.startswith(CHECKPOINT_METHODS.get(online, "\0")):
+            return stored
         raise QuantizationError(f"--quantization {online}: the checkpoint is already quantized ({stored.method}); "
                                 "serve it as it is, without --quantization")
+    if online in CHECKPOINT_METHODS and online not in ONLINE_METHODS:
+        raise QuantizationError(f"--quantization {online} names a quantized checkpoint format, but this checkpoint "
+                                f"is not quantized; online quantization: {', '.join(ONLINE_METHODS)}")
     if online not in ONLINE_METHODS:
         raise QuantizationError(f"--quantization {online}: unknown method; known: {', '.join(ONLINE_METHODS)}")
     return QuantPlan(f"online {online}", ONLINE_FORMATS[online], excluded=("lm_head",), online=True)
@@ -85,8 +94,16 @@ def _modelopt(section: dict[str, Any], where: str) -> QuantPlan:
     if algo == "NVFP4" and int(section.get("group_size") or 16) != 16:
         raise QuantizationError(f"{where}: ModelOpt NVFP4 with group_size {section['group_size']} (only 16 exists)")
     excluded = tuple(section.get("exclude_modules") or section.get("ignore") or ())
-    kv = section.get("kv_cache_quant_algo")
-    return QuantPlan(f"modelopt {algo}", _MODELOPT_FORMATS[algo], excluded, kv_cache=str(kv) if kv else None)
+    kv = section.get("kv_cache_quant_algo") or _modelopt_kv_scheme(section.get("kv_cache_scheme"))
+    return QuantPlan(f"modelopt {algo}", _MODELOPT_FORMATS[algo], excluded, kv_cache=str(kv) if kv else None,
+                     kv_cache_fp8=str(kv).upper() == "FP8")
+
+
+def _modelopt_kv_scheme(scheme: dict[str, Any] | None) -> str | None:
+    """ModelOpt's ``config.json`` spelling of its KV-cache algorithm (``kv_cache_scheme``, no strategy: per tensor)."""
+    if not scheme:
+        return None
+    return "FP8" if _is_fp8(scheme) and not scheme.get("dynamic") else _scheme_words(scheme)
 
 
 def _compressed_tensors(section: dict[str, Any]) -> QuantPlan:
@@ -112,7 +129,8 @@ def _compressed_tensors(section: dict[str, Any]) -> QuantPlan:
     fmt_ = LinearFormat("fp8", strategy, activations, block_size=block, input_scale_name=input_scale)
     kv = section.get("kv_cache_scheme")
     return QuantPlan(f"compressed-tensors {_ct_scheme_name(fmt_)}", fmt_, tuple(section.get("ignore") or ()),
-                     kv_cache=_scheme_words(kv) if kv else None)
+                     kv_cache=_scheme_words(kv) if kv else None,
+                     kv_cache_fp8=bool(kv) and _is_fp8(kv) and kv.get("strategy") == "tensor" and not kv.get("dynamic"))
 
 
 def _is_fp8(scheme: dict[str, Any]) -> bool:

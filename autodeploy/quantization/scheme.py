@@ -59,6 +59,7 @@ class QuantPlan:
     excluded: tuple[str, ...] = ()  # module patterns the producer leaves unquantized, as it wrote them
     online: bool = False  # quantize bf16/fp16 weights while loading
     kv_cache: str | None = None  # what the checkpoint says of the KV cache (e.g. "FP8"), or None
+    kv_cache_fp8: bool = False  # that is the FP8 (e4m3) per-tensor KV cache autodeploy runs
 
     def is_excluded(self, module: str) -> bool:
         return any(_matches(pattern, module) for pattern in self.excluded)

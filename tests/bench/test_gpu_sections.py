@@ -68,24 +68,40 @@ def test_greedy_equality_names_where_a_prompt_parts_and_fails(monkeypatch):
 
 @pytest.mark.slow
 def test_serving_section_measures_a_real_server(tmp_path):
-    """autodeploy serve on the CPU (tiny random model, no tokenizer: token-id prompts) under the client,
-    then the row: ITL p50 as its time, every percentile kept, the server stopped afterwards."""
-    from autodeploy.tiny import make_tiny_checkpoint
+    """The section's history server on the CPU (tiny random model with the section's tokenizer): every load of
+    the plan (token-id and text prompts, Poisson, the long mix), the guidellm hook, the rows, the verdicts and
+    the issue's table; the server stopped afterwards."""
+    import argparse
 
-    model_dir = make_tiny_checkpoint("llama", tmp_path / "m", vocab_size=256)
-    options = serving_bench.server_options(2, 16, {"dtype": "float32"}) + ["--device", "cpu"]
-    with serving_bench.running_server(str(model_dir), options, timeout=240) as url:
-        result = serving_bench.client_run(url, 2, input_len=8, output_len=4, vocab_size=256)
-        server_url = url
-    assert result.completed == 8 and result.failed == 0
-    row = serving_bench.serving_row("tiny 8/4 c2", result, floor=1e-3, weights="fp32")
-    assert row.seconds == result.itl.p50_ms / 1e3 and row.tokens_per_s == result.output_throughput
-    assert row.passed is None and row.metrics["TTFT"]["p99"] == result.ttft.p99_ms and row.metrics["completed"] == 8
-    assert row.note.startswith("TTFT p50/p99 ") and "8 requests" in row.note
     import httpx
 
-    try:
-        httpx.get(f"{server_url}/health", timeout=2)
-        raise AssertionError("the server still answers")
-    except httpx.HTTPError:
-        pass
+    from autodeploy.tiny import make_tiny_checkpoint
+    from serving_checks import EngineSteps, check_rows, done_when_table
+
+    model_dir = str(make_tiny_checkpoint("llama", tmp_path / "m", vocab_size=2048))
+    serving_bench.save_tokenizer(model_dir)
+    plan = serving_bench.Plan([1, 2], 8, 4, 40, 4, per_slot=4, fresh_server=False, poisson_requests=4,
+                              long_requests=2)
+    options = serving_bench.server_options(2, 44, {"dtype": "float32"}) + ["--device", "cpu"]
+    hook = "echo {url} > {out}/url; echo '{\"output_tok_s\": 12.5}'"
+    args = argparse.Namespace(server_timeout=240, guidellm=hook)
+    runs, hooks = serving_bench.serve_all(args, plan, model_dir, options, tmp_path / "out", 2048)
+    assert [r.name for r in runs] == ["c1 #1", "c2 #1", "c2 #2", runs[3].name, "40/4 c2"]
+    assert runs[3].name.startswith("poisson 80% (") and runs[3].concurrency is None
+    assert all(r.result.failed == 0 and r.compiles_after_ready == 0 for r in runs)
+    assert [r.result.completed for r in runs] == [4, 8, 8, 4, 2]
+    assert runs[4].text_prompts and 36 <= runs[4].result.mean_prompt_tokens <= 41  # the server adds <s>
+    assert hooks[0].passed and hooks[0].tokens_per_s == 12.5
+    assert (tmp_path / "out" / "timeline_history.jsonl").stat().st_size > 0
+    row = serving_bench.serving_row("tiny c2", runs[1].result, floor=1e-3, weights="fp32")
+    assert row.seconds == runs[1].result.itl.p50_ms / 1e3 and row.tokens_per_s == runs[1].result.output_throughput
+    assert row.passed is None and row.metrics["TTFT"]["p99"] == runs[1].result.ttft.p99_ms
+    steps = EngineSteps({1: (1.0, 1.0), 2: (1e9, 1e9)})  # a batch-2 step no server can be slower than
+    checks = {r.impl: r.passed for r in check_rows(runs, steps, plan.concurrencies, "tiny")}
+    assert checks["check: >= 85% of engine b2 tok/s"] and checks["check: compiles after ready"]
+    assert checks["check: TPOT p50 ms within 5% of the bare step"] is False  # 1 ms: not on this CPU
+    table = done_when_table(runs, steps, 2, [hooks[0].note])
+    assert "c2 #2" in table and "batch-2 decode" in table and table.endswith("output_tok_s 12.5")
+    url = (tmp_path / "out" / "url").read_text().strip()
+    with pytest.raises(httpx.HTTPError):  # the server is gone
+        httpx.get(f"{url}/health", timeout=2)

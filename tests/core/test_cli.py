@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from autodeploy.cli import build_parser, compile_options, main
@@ -9,6 +12,28 @@ def test_help_documents_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("compile", "check", "tiny"):
         assert command in out
+
+
+# every command's --help, and serve's settings parsed and printed, in one fresh interpreter
+NO_TORCH_SCRIPT = """
+import sys
+from autodeploy.cli import main
+for argv in (["--help"], ["serve", "--help"], ["compile", "--help"], ["bench", "serve", "--help"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+assert main(["serve", "org/model", "--print_config", "--max-model-len", "64"]) == 0
+heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
+assert not heavy, f"parsing the command line imported {heavy}"
+"""
+
+
+def test_help_and_settings_import_no_torch():
+    """``autodeploy --help`` answers at once: argument parsing imports neither torch nor transformers."""
+    result = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--max-model-len" in result.stdout and "max_seq_len: 64" in result.stdout
 
 
 def test_settings_precedence_defaults_yaml_flags_set(tmp_path):
@@ -37,7 +62,7 @@ def test_compile_prints_pass_table_and_op_counts(capsys, tiny_llama, tmp_path):
     out = capsys.readouterr().out
     assert code == 0
     assert "canonicalize_attention" in out and "paged_attention=2" in out
-    assert "KV cache:" in out and any(dump.iterdir())
+    assert "KV cache (float32):" in out and any(dump.iterdir())
 
 
 def test_check_passes_on_a_good_model(capsys, tiny_llama):

@@ -62,6 +62,11 @@ def test_no_guess_without_a_head_count():
     assert guess_attention_kinds(PretrainedConfig(), torch.float16) == []
 
 
+def test_no_paged_attention_guess_for_mla_models():
+    assert guess_attention_kinds(tiny_config("deepseek_v3"), torch.float16) == []
+    assert guess_attention_kinds(tiny_config("deepseek_v2"), torch.float16) == []
+
+
 def test_a_partial_rotary_factor_sets_the_rotary_dim():
     hf_config = tiny_config("llama", head_dim=16, partial_rotary_factor=0.5)
     assert {kind.rope for kind in guess_attention_kinds(hf_config, torch.float16)} == {(8, torch.float16, False)}
@@ -69,14 +74,15 @@ def test_a_partial_rotary_factor_sets_the_rotary_dim():
 
 def test_the_workers_get_exactly_the_kernels_the_warm_up_records_later():
     """Same JIT cache keys from the guess's two-page scratch cache as from a pool of any size: the warm-up's
-    launches find their kernels in the disk cache the workers filled."""
+    launches find their kernels in the disk cache the workers filled (an FP8 KV cache's variants too)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    for model_type in ("llama", "gemma2"):
-        child = subprocess.run([sys.executable, str(ROOT / "tests/kernels/early_compile_keys.py"), model_type],
+    for args in (["llama", "float16", "float8_e4m3fn"], ["gemma2"]):
+        child = subprocess.run([sys.executable, str(ROOT / "tests/kernels/early_compile_keys.py"), *args],
                                capture_output=True, text=True, env=env, timeout=300, check=False)
         assert child.returncode == 0, child.stderr[-3000:]
         keys = json.loads(child.stdout.strip().splitlines()[-1])
         assert keys["early"] and keys["early"] == keys["warm_up"]
+        assert len(set(keys["early"])) == len(keys["early"])  # an FP8 pool's kernels are variants of their own
 
 
 def _workers_with_jobs(monkeypatch):

@@ -25,7 +25,9 @@ def _checkpoints(tmp_path, *model_types):
 
 
 def test_llama_over_two_ranks_equals_one_process(tmp_path):
-    runs = {"llama": (_checkpoints(tmp_path, "llama")["llama"], {})}
+    """Also with an FP8 KV cache (each rank's pool holds its heads, quantized with the same scales)."""
+    path = _checkpoints(tmp_path, "llama")["llama"]
+    runs = {"llama": (path, {}), "llama fp8 kv": (path, {"kv_cache_dtype": "fp8"})}
     results, worker_collectives = run_on_ranks(2, tp_greedy, 2, runs, STEPS)
     ranks = [results["collectives"], worker_collectives]
     inputs = [torch.tensor(r["input"]) for r in ranks]

@@ -70,6 +70,23 @@ TOKEN_LOCAL = {
 }
 
 
+def _attention_with_sinks(m, x, p):
+    q = x.view(1, -1, 2, HIDDEN // 2)
+    return torch.ops.autodeploy.attention(q, q, q, 0.5, True, 4, None, sinks=m.norm.weight[:2]).reshape(-1, HIDDEN)
+
+
+def _mla(m, x, p):
+    """Two heads: nope and rotary halves of 2, a latent of 4 and a rotary key of 2, values of 2."""
+    heads = x.view(1, -1, 2, HIDDEN // 2)
+    out = torch.ops.autodeploy.mla(heads[..., :2], heads[..., 2:], x[None, :, :4], x[None, :, 6:],
+                                   m.proj.weight[:, :4], 0.5)
+    return out.reshape(-1, HIDDEN // 2).repeat(1, 2)
+
+
+# canonical ops whose history the cache keeps (``SEQUENCE_OPS``): they mix tokens, and are allowed to
+SEQUENCE = {"attention with sinks and a window": _attention_with_sinks, "multi-head latent attention": _mla}
+
+
 def _export(module, tokens: int = 6):
     """Exported as the compiler does (``Dim.DYNAMIC``: a ranged Dim rejects guards such as T != 1)."""
     inputs = (torch.randn(tokens, HIDDEN), torch.arange(tokens))
@@ -93,6 +110,11 @@ def test_token_mixing_is_found(name):
 @pytest.mark.parametrize("name", TOKEN_LOCAL)
 def test_token_local_layers_pass(name):
     assert token_mixing(_graph(TOKEN_LOCAL[name])) == []
+
+
+@pytest.mark.parametrize("name", SEQUENCE)
+def test_canonical_sequence_ops_pass(name):
+    assert token_mixing(_graph(SEQUENCE[name])) == []
 
 
 def test_dead_code_is_not_judged():

@@ -1,6 +1,7 @@
 """Run by test_early_compile.py in a fresh process with TRITON_INTERPRET=0 (real JIT, stand-in sm_90 driver):
 prints, as JSON, the JIT cache keys of the attention launches that ``start_early_attention_compiles``
-hands to the workers, and those the warm-up records for the same layer on a pool of many pages."""
+hands to the workers, and those the warm-up records for the same layer on a pool of many pages (argv: the
+model type, then the KV cache dtypes to do this for, by default the model's)."""
 
 import json
 import sys
@@ -30,14 +31,16 @@ class Workers:
 
 
 workers = Workers()
-start_early_attention_compiles(hf_config, config, cpu, dtype, max_seq_len, workers)
-warm_up = []
-for kind in guess_attention_kinds(hf_config, dtype):
-    pages = 300  # a pool as the KV sizing step would allocate it: any size
-    cache = torch.zeros(pages, 2, config.tokens_per_block, kind.num_kv_heads, kind.head_dim, dtype=dtype)
-    with recording_compiles() as specs:
-        warm_up_launches(cache, kind.num_heads, dtype, 0.125, kind.sliding_window, kind.logit_softcap, None,
-                         config.max_batch_size, config.max_num_tokens, max_seq_len // config.tokens_per_block,
-                         kind.rope)
-    warm_up += [spec.key for spec in specs]
-print(json.dumps({"early": [spec.key for spec in workers.specs], "warm_up": warm_up}))
+early, warm_up = [], []
+for kv_dtype in [getattr(torch, name) for name in sys.argv[2:]] or [dtype]:
+    start_early_attention_compiles(hf_config, config, cpu, dtype, max_seq_len, workers, kv_dtype)
+    early += [spec.key for spec in workers.specs]
+    for kind in guess_attention_kinds(hf_config, dtype):
+        pages = 300  # a pool as the KV sizing step would allocate it: any size
+        cache = torch.zeros(pages, 2, config.tokens_per_block, kind.num_kv_heads, kind.head_dim, dtype=kv_dtype)
+        with recording_compiles() as specs:
+            warm_up_launches(cache, kind.num_heads, dtype, 0.125, kind.sliding_window, kind.logit_softcap, None,
+                             config.max_batch_size, config.max_num_tokens, max_seq_len // config.tokens_per_block,
+                             kind.rope)
+        warm_up += [spec.key for spec in specs]
+print(json.dumps({"early": early, "warm_up": warm_up}))

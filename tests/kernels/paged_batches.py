@@ -12,6 +12,11 @@ def random_cache(num_blocks: int, page: int, kv_heads: int, head_dim: int, dtype
     return torch.randn(num_blocks, 2, page, kv_heads, head_dim).to(dtype)
 
 
+def cache_bits(cache: torch.Tensor) -> torch.Tensor:
+    """A pool as comparable values: an FP8 pool's bytes (compared bit for bit), any other as it is."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def shuffled_blocks(lengths: list[int], page: int, num_blocks: int, seed: int = 0) -> list[tuple[int, ...]]:
     """Non-contiguous, interleaved block ids for sequences of the given total lengths."""
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()

@@ -9,15 +9,16 @@ import triton.language as tl
 from autodeploy.kernels.attention_config import AttentionLaunch
 from autodeploy.kernels.paged_attention import paged_attention_fwd, split_counters
 from autodeploy.kernels.paged_attention_blocks import _split_keys
-from paged_batches import random_cache, shuffled_blocks, step_metadata
+from paged_batches import cache_bits, random_cache, shuffled_blocks, step_metadata
 
 REFERENCE = torch.ops.autodeploy.paged_attention
+FP8 = torch.float8_e4m3fn
 # (context_len, query_len): chunked prefill, fresh prefill, decodes, an empty sequence
 MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]
 
 
 def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None, softcap=None, sinks=False,
-             pad_tokens=0, cache_dtype=None, seed=0, chunk=None, alibi=False):
+             pad_tokens=0, cache_dtype=None, seed=0, chunk=None, alibi=False, **kv_scales):
     torch.manual_seed(seed)
     blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=64)
     query_lens, context_lens, cu, table, slots = step_metadata(
@@ -29,11 +30,12 @@ def _compare(seqs, heads, kv_heads, head_dim, dtype, launch, page=4, window=None
     want_cache, got_cache = cache.clone(), cache.clone()
     features = (window, softcap, sink_logits)
     variants = {"chunk_size": chunk, "alibi_slopes": 2.0 ** -torch.arange(1, heads + 1.0) if alibi else None}
-    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, *features, **variants)
+    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3, *features, **variants,
+                     **kv_scales)
     got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, *features, **variants,
-                              launch=launch)
+                              launch=launch, **kv_scales)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(cache_bits(got_cache), cache_bits(want_cache), atol=0, rtol=0)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     return got
 
@@ -172,6 +174,20 @@ def test_a_step_of_padding_only():
 def test_cache_in_another_dtype_than_the_inputs():
     """New keys are attended to as the pool stores them (rounded to its dtype), like the reference."""
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2), cache_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype, launch", [
+    (torch.float32, AttentionLaunch(16, 16, 1)), (torch.float16, AttentionLaunch(16, 16, 3, decode=True)),
+    (torch.float32, AttentionLaunch(32, 8, 2))], ids=["prefill-fp32", "decode-split3-fp16", "prefill-split2-fp32"])
+def test_fp8_cache(dtype, launch):
+    """An FP8 pool: the bytes written equal the reference's, saturation included (k_scale makes every
+    |k| > 1.8 saturate), and the new keys are attended to as they are cached."""
+    _compare(MIXED, 4, 2, 16, dtype, launch, pad_tokens=2, cache_dtype=FP8, k_scale=0.004, v_scale=0.3)
+
+
+def test_fp8_cache_with_window_softcap_sinks_chunks_and_alibi():
+    _compare(MIXED, 6, 2, 16, torch.float32, AttentionLaunch(16, 16, 2, decode=True), window=4, softcap=3.0,
+             sinks=True, chunk=5, alibi=True, cache_dtype=FP8, k_scale=0.01, v_scale=0.02)
 
 
 def test_tiles_larger_than_pages_and_pages_larger_than_tiles():

@@ -7,7 +7,7 @@ import torch
 from autodeploy.kernels.attention_config import AttentionLaunch
 from autodeploy.kernels.paged_attention import paged_attention_fwd
 from autodeploy.ops.rope import rope_reference
-from paged_batches import random_cache, shuffled_blocks, step_metadata
+from paged_batches import cache_bits, random_cache, shuffled_blocks, step_metadata
 
 REFERENCE = torch.ops.autodeploy.paged_attention
 MIXED = [(5, 3), (0, 7), (12, 1), (0, 1), (3, 0)]  # chunked prefill, prefill, decodes, an empty sequence
@@ -21,7 +21,8 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return rope_reference(x.float(), cos.float()[:, None], sin.float()[:, None], interleaved).to(x.dtype)
 
 
-def _compare(seqs, heads, kv_heads, dtype, launch, rotation, head_dim=16, page=4, pad_tokens=0, seed=0, **features):
+def _compare(seqs, heads, kv_heads, dtype, launch, rotation, head_dim=16, page=4, pad_tokens=0, seed=0,
+             cache_dtype=None, kv_scales=None, **features):
     torch.manual_seed(seed)
     interleaved, rot_dim = ROTATIONS[rotation]
     blocks = shuffled_blocks([c + n for c, n in seqs], page, num_blocks=64)
@@ -30,19 +31,20 @@ def _compare(seqs, heads, kv_heads, dtype, launch, rotation, head_dim=16, page=4
     tokens = slots.shape[0]
     q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (heads, kv_heads, kv_heads))
     cos, sin = (torch.randn(tokens, rot_dim).to(dtype) for _ in range(2))
-    cache = random_cache(64, page, kv_heads, head_dim, dtype)
+    cache = random_cache(64, page, kv_heads, head_dim, cache_dtype or dtype)
     want_cache, got_cache, op_cache = cache.clone(), cache.clone(), cache.clone()
     metadata = (query_lens, context_lens, cu, table, slots, 0.3)
+    scales = dict(zip(("k_scale", "v_scale"), kv_scales)) if kv_scales else {}
     want = REFERENCE(rotated(q, cos, sin, interleaved), rotated(k, cos, sin, interleaved), v, want_cache, *metadata,
-                     features.get("window"), features.get("softcap"))
+                     features.get("window"), features.get("softcap"), **scales)
     got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3, features.get("window"),
-                              features.get("softcap"), None, cos, sin, interleaved, launch=launch)
+                              features.get("softcap"), None, cos, sin, interleaved, launch=launch, **scales)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(cache_bits(got_cache), cache_bits(want_cache), atol=0, rtol=0)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     # the reference backend's own rotation (rope_qk in the inputs' dtype) agrees within rounding
     by_op = REFERENCE(q, k, v, op_cache, *metadata, features.get("window"), features.get("softcap"), None,
-                      cos, sin, interleaved)
+                      cos, sin, interleaved, **scales)
     torch.testing.assert_close(by_op.float(), want.float(), atol=5 * tol, rtol=5 * tol)
     return got
 
@@ -97,3 +99,10 @@ def test_malformed_rotary_inputs_are_refused():
     for cos in (torch.randn(3, 18), torch.randn(3, 7), torch.randn(2, 16)):
         with pytest.raises(ValueError, match="rope cos/sin"):
             paged_attention_fwd(q, k, k, cache, *meta, 0.3, None, None, None, cos, cos)
+
+
+@pytest.mark.parametrize("launch", [AttentionLaunch(16, 16, 1), AttentionLaunch(16, 16, 3, decode=True)],
+                         ids=["prefill", "decode-split3"])
+def test_fp8_cache_holds_the_rotated_keys_quantized(launch):
+    _compare(MIXED, 4, 2, torch.float16, launch, "half", cache_dtype=torch.float8_e4m3fn, kv_scales=(0.01, 0.02),
+             window=4, softcap=3.0)

@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual add), gated activation and RoPE kernels against their reference ops (interpreter)."""
+"""RMSNorm (+ residual add), gated activation, RoPE and KV-cache write kernels against their reference ops
+(interpreter)."""
 
 import pytest
 import torch
@@ -91,3 +92,21 @@ def test_rope_qk_rotates_both_in_one_launch(interleaved, dtype):
     torch.testing.assert_close(got_q, want_q, **_tol(dtype))
     torch.testing.assert_close(got_k, want_k, **_tol(dtype))
     torch.testing.assert_close(want_k, torch.ops.autodeploy.rope(k, cos, sin, interleaved))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_kv_cache_write_as_the_reference_writes_and_padding_rows_zeroed(cache_dtype):
+    """FlashInfer's cache write: bytes equal to the reference op's (an FP8 pool quantized with its scales,
+    saturating), slot -1 skipped, output rows of tokens past cu_seqlens[-1] zeroed."""
+    from autodeploy.kernels.kv_cache_write import write_kv_cache
+    from autodeploy.ops.paged_attention import write_kv_cache as reference_write
+
+    k, v = torch.randn(5, 2, 16) * 3, torch.randn(5, 2, 16)
+    slots, cu_seqlens = torch.tensor([7, -1, 2, 12, -1]), torch.tensor([0, 2, 4])
+    got, want = (torch.randn(4, 2, 4, 2, 16).to(cache_dtype) for _ in range(2))
+    want.copy_(got)
+    out = torch.randn(5, 4, 16)
+    write_kv_cache(k, v, got, slots, out, cu_seqlens, k_scale=0.01, v_scale=0.5)
+    reference_write(k, v, want, slots, k_scale=0.01, v_scale=0.5)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert out[4].abs().max() == 0 and out[:4].abs().min() > 0

@@ -109,3 +109,19 @@ def test_a_sizing_step_that_fails_with_skipped_kernels_runs_again_for_real(monke
     assert calls == ([True, False] if fails_deferred else [True])
     assert ("pending_kernels" in ctx.artifacts) != fails_deferred
     assert ("running it for real" in caplog.text) == fails_deferred
+
+
+def test_a_pool_is_capped_where_a_layer_would_pass_32_bit_offsets():
+    from autodeploy.kvcache.pool import MAX_ELEMENTS_PER_LAYER, KVCacheSpec, KVPool
+    from passes.allocate_kv_cache import _addressable
+
+    smollm2 = [KVCacheSpec(num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)] * 30
+    per_block = 2 * 16 * 3 * 64
+    limit = KVPool.max_addressable_blocks(smollm2, 16)
+    assert limit == MAX_ELEMENTS_PER_LAYER // per_block and (limit + 1) * per_block > 2**31 - 1
+    assert _addressable(1000, smollm2, 16, explicit=False) == 1000  # (zero-match: below the limit, untouched)
+    assert _addressable(10 * limit, smollm2, 16, explicit=False) == limit  # an H200's free memory would pass it
+    with pytest.raises(RuntimeError, match="32-bit offsets; at most"):
+        _addressable(limit + 1, smollm2, 16, explicit=True)
+    mla = [KVCacheSpec.latent(512, 64, torch.bfloat16)]  # one entry of 576 values per token
+    assert KVPool.max_addressable_blocks(mla + smollm2, 16) == MAX_ELEMENTS_PER_LAYER // (16 * 576)

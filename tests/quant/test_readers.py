@@ -17,6 +17,8 @@ from quant_fixtures import edit_json, fixture_dir
     ("llama_ct_fp8_block", "compressed-tensors FP8_BLOCK", "block", "group"),
     ("llama_modelopt_fp8", "modelopt FP8", "tensor", "static"),
     ("qwen3_modelopt_nvfp4", "modelopt NVFP4", "nvfp4", "none"),
+    ("llama_ct_fp8_kv", "compressed-tensors FP8_DYNAMIC", "channel", "token"),
+    ("qwen3_modelopt_fp8_kv", "modelopt FP8", "tensor", "static"),
 ])
 def test_producer_configs(name, method, scale, activations):
     plan = read_quant_plan(fixture_dir(name))
@@ -108,3 +110,31 @@ def test_online_quantization_of_a_quantized_checkpoint_is_refused():
 def test_exclusion_patterns(pattern, module, matches):
     plan = QuantPlan("test", read_quant_plan(fixture_dir("llama_modelopt_fp8")).format, (pattern,))
     assert plan.is_excluded(module) is matches
+
+
+@pytest.mark.parametrize("name, vllm_name", [
+    ("llama_modelopt_fp8", "modelopt"), ("qwen3_modelopt_nvfp4", "modelopt_fp4"),
+    ("llama_ct_fp8_dynamic", "compressed-tensors"), ("llama_ct_fp8_block", "compressed-tensors"),
+])
+def test_vllms_name_of_the_stored_format_confirms_it(name, vllm_name):
+    """vLLM's --quantization names a checkpoint's own scheme: the stored plan, not an online one."""
+    assert read_quant_plan(fixture_dir(name), vllm_name) == read_quant_plan(fixture_dir(name))
+
+
+def test_vllms_fp8_of_a_block_fp8_checkpoint_is_the_checkpoint(tmp_path):
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    path = _write(tmp_path, {"quantization_config": qc})
+    assert read_quant_plan(path, "fp8") == read_quant_plan(path)
+
+
+@pytest.mark.parametrize("name, vllm_name, message", [
+    ("llama_modelopt_fp8", "modelopt_fp4", r"already quantized \(modelopt FP8\)"),
+    ("qwen3_modelopt_nvfp4", "compressed-tensors", r"already quantized \(modelopt NVFP4\)"),
+    ("llama_ct_fp8_dynamic", "nvfp4", "already quantized"),
+    (None, "modelopt", "names a quantized checkpoint format, but this checkpoint is not quantized"),
+    (None, "compressed-tensors", "online quantization: fp8, nvfp4"),
+])
+def test_a_name_that_does_not_match_the_checkpoint_is_refused(tmp_path, name, vllm_name, message):
+    path = fixture_dir(name) if name else _write(tmp_path)
+    with pytest.raises(QuantizationError, match=message):
+        read_quant_plan(path, vllm_name)

@@ -4,6 +4,7 @@ template, compiled once per session (compiling is the slow part on the CPU)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -71,6 +72,13 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
+ENGINE_MODES = ["in_process", "engine_process"]
+# The engine mode of every server test that names none: the engine in a process of its own (forked), as
+# ``autodeploy serve`` runs it on CUDA. The other mode (the engine on a thread) runs where a test asks for
+# both (``ENGINE_MODES``); AUTODEPLOY_TEST_ENGINE_MODE=in_process runs the whole suite that way.
+DEFAULT_ENGINE_MODE = os.environ.get("AUTODEPLOY_TEST_ENGINE_MODE", "engine_process")
+
+
 class LiveServer:
     """A uvicorn server on a free loopback port, in a thread; with ``state``, the server ``autodeploy
     serve`` runs (it drains on ``server.handle_exit``)."""
@@ -102,29 +110,52 @@ class LiveServer:
         self.thread.join(10)
 
 
-def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, **options):
+def make_state(compiled, tokenizer, *, served_model_name="tiny", api_key=None, limits=None, engine_process=None,
+               warm_up=False, timeline=None, **options):
     """A ServerState serving ``compiled`` through a fresh engine (the caller shuts it down); ``options``
-    are ServerState fields (``api_key_file``, ``metrics_without_key``) or EngineConfig fields."""
+    are ServerState fields (``api_key_file``, ``metrics_without_key``, ``tools``, ``reasoning_parser``,
+    ``metrics_prefix``...) or EngineConfig fields. With ``engine_process`` (default: ``DEFAULT_ENGINE_MODE``) the
+    engine runs in a forked process of its own (as ``--engine_process on``), else on a thread of this one;
+    ``warm_up`` runs the start-up requests first (``--warm_up``); ``timeline``: the engine process's timeline file
+    (``--timeline``)."""
     from autodeploy.serve.async_engine import AsyncEngine
     from autodeploy.serve.engine import Engine, EngineConfig
+    from autodeploy.serve.engine_client import fork_engine_process
     from autodeploy.serve.limits import RequestLimits
     from autodeploy.serve.serving_common import ServerState
+    from autodeploy.serve.warmup import warm_up_engine
 
-    state_options = {k: options.pop(k) for k in ("api_key_file", "metrics_without_key") if k in options}
+    state_fields = ("api_key_file", "metrics_without_key", "tools", "reasoning_parser", "metrics_prefix",
+                    "model_aliases", "sampling_defaults")
+    state_options = {k: options.pop(k) for k in state_fields if k in options}
     engine_options = options
     state = ServerState(served_model_name, api_key, limits=limits or RequestLimits(), **state_options)
-    engine = AsyncEngine(Engine(compiled, tokenizer, EngineConfig(**engine_options)))
-    state.attach(engine, tokenizer, compiled.max_seq_len)
+    engine = Engine(compiled, tokenizer, EngineConfig(**engine_options))
+    if warm_up:
+        warm_up_engine(engine)
+    if engine_process is None:
+        engine_process = DEFAULT_ENGINE_MODE == "engine_process"
+    if timeline and not engine_process:
+        raise ValueError("the tests write a timeline of an engine in its own process only")
+    front = fork_engine_process(engine, tokenizer, timeline=timeline) if engine_process else AsyncEngine(engine)
+    state.attach(front, tokenizer, compiled.max_seq_len)
     return state
 
 
 @contextlib.contextmanager
-def serving(compiled, tokenizer, drain_timeout: float = 2.0, **options):
-    """A live server over a fresh engine with these ServerState/engine options; closed afterwards."""
+def serving(compiled, tokenizer, drain_timeout: float = 2.0, timeline=None, **options):
+    """A live server over a fresh engine with these ServerState/engine options (``make_state``; with
+    ``timeline`` both processes write that file, as ``autodeploy serve --timeline``); closed afterwards."""
     from autodeploy.serve.server import build_app
+    from autodeploy.serve.timeline import open_timeline
 
-    state = make_state(compiled, tokenizer, **options)
-    server = LiveServer(build_app(state), state, drain_timeout)
+    state = make_state(compiled, tokenizer, timeline=timeline, **options)
+    app = build_app(state)
+    api_timeline = open_timeline(timeline, "api") if timeline else None
+    if api_timeline is not None:
+        app = api_timeline.wrap_asgi(app, lambda: state.engine.num_streams)
+        api_timeline.mark_ready()
+    server = LiveServer(app, state, drain_timeout)
     server.state = state
     try:
         yield server
@@ -132,20 +163,64 @@ def serving(compiled, tokenizer, drain_timeout: float = 2.0, **options):
         server.close()
         state.engine.shutdown()
         state.preprocess.close()
+        if api_timeline is not None:
+            api_timeline.close()
+
+
+def pytest_generate_tests(metafunc):
+    """A module with ``LIVE_MODES = ENGINE_MODES`` runs its ``live`` tests against both engines."""
+    modes = getattr(metafunc.module, "LIVE_MODES", None)
+    if modes and "live" in metafunc.fixturenames:
+        metafunc.parametrize("live", modes, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
-def live(compiled, tokenizer):
-    """A live server over the shared compiled model; one per test module."""
+def live(request, compiled, tokenizer):
+    """A live server over the shared compiled model; one per test module (per engine mode where the
+    module sets ``LIVE_MODES``)."""
     from autodeploy.serve.server import build_app
 
-    state = make_state(compiled, tokenizer)
+    mode = getattr(request, "param", DEFAULT_ENGINE_MODE)
+    state = make_state(compiled, tokenizer, engine_process=mode == "engine_process")
     server = LiveServer(build_app(state))
     server.state = state
     yield server
     server.close()
     state.engine.shutdown()
     state.preprocess.close()
+
+
+def settled_stats(engine, timeout: float = 10.0):
+    """The engine's stats once no KV block is in use (or after ``timeout``): an engine in its own
+    process reports its stats with each step's outputs, a little after the fact."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while engine.stats().num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.stats()
+def chat_reply(client, stream: bool, **args):
+    """A chat completion's first choice through the openai client, whole or streamed, as
+    ``((content, [(id, name, arguments)], reasoning_content), finish_reason)``; a streamed one is rebuilt
+    as the client's users rebuild it, checking the order of the tool-call deltas (id, type, name first)."""
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return (choice.message.content, calls, getattr(choice.message, "reasoning_content", None)), choice.finish_reason
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.name
+                calls[call.index] = [call.id, call.function.name, call.function.arguments or ""]
+            else:
+                assert call.index in calls and call.function.name is None  # the name came first
+                calls[call.index][2] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return (content or None, [tuple(c) for _, c in sorted(calls.items())], reasoning or None), finish
 
 
 def wait_for_url(proc) -> str:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -119,3 +120,12 @@ def test_serving_benchmark_command(live, compiled, capsys):
                  "--num_requests", "3", "--max-concurrency", "2", "--vocab_size", str(compiled.vocab_size)]) == 0
     out = capsys.readouterr().out
     assert "completed 3, failed 0" in out and "TTFT" in out and "ITL" in out
+
+
+def test_serving_benchmark_with_text_prompts_of_about_the_input_length(live, tiny_dir, capsys):
+    assert main(["bench", "serve", "--base_url", live.url, "--input_len", "40", "--output_len", "3",
+                 "--num_requests", "4", "--concurrency", "2", "--tokenizer", str(tiny_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "completed 4, failed 0" in out
+    prompt_tokens = int(re.search(r"(\d+) prompt tokens per request", out).group(1))
+    assert 36 <= prompt_tokens <= 41  # the server tokenized the text back to about --input_len tokens (+ BOS)

@@ -170,3 +170,19 @@ def test_prompt_logprobs_of_a_one_token_prompt(compiled):
     engine = Engine(compiled, None, EngineConfig())
     out = run_batched(engine, [[5]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert out.prompt_logprobs == (None,)
+
+
+@pytest.fixture(scope="module")
+def fp8_kv_compiled(tiny_dir):
+    import autodeploy
+    from conftest import COMPILE_OPTIONS
+
+    return autodeploy.compile(tiny_dir, **COMPILE_OPTIONS, kv_cache_dtype="fp8")
+
+
+def test_fp8_kv_cache_keeps_prefix_reuse_batching_and_preemption_exact(fp8_kv_compiled):
+    """An FP8 cache stores what it stores whoever wrote it: reused prefixes, batching and recomputation
+    after preemption give the same tokens as without them."""
+    assert fp8_kv_compiled.pool.caches[0].dtype == torch.float8_e4m3fn
+    test_batched_equals_one_at_a_time(fp8_kv_compiled, prefix_caching=True)
+    test_kv_exhaustion_preempts_and_still_matches_uncontended(fp8_kv_compiled, prefix_caching=True, overlap=False)

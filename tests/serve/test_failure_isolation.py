@@ -10,22 +10,24 @@ import torch
 from autodeploy.sampling_params import SamplingParams
 from autodeploy.serve.detokenizer import IncrementalDetokenizer
 from autodeploy.serve.engine import Engine, EngineConfig
-from conftest import serving
+from autodeploy.serve.runner import ModelRunner
+from autodeploy.serve.sampler import Sampler
+from conftest import ENGINE_MODES, serving, settled_stats
 
 POISON_SEED = 13  # the sampler below fails for a request with this seed
 POISON_STOP = "zz-poison"  # the detokenizer below fails for a request with this stop string
 
 
-def _poison_sampler(monkeypatch, engine: Engine) -> None:
-    sampler = engine.runner.sampler
-    sample = sampler.sample
+def _poison_sampler(monkeypatch) -> None:
+    """Every sampler (so an engine forked into its own process has it too)."""
+    sample = Sampler.sample
 
-    def poisoned(logits, seqs):
+    def poisoned(self, logits, seqs, *rest):
         if any(s.params.seed == POISON_SEED for s in seqs):
             raise OverflowError("Overflow when unpacking long long")
-        return sample(logits, seqs)
+        return sample(self, logits, seqs, *rest)
 
-    monkeypatch.setattr(sampler, "sample", poisoned)
+    monkeypatch.setattr(Sampler, "sample", poisoned)
 
 
 def _poison_detokenizer(monkeypatch) -> None:
@@ -61,7 +63,7 @@ def test_a_failing_request_fails_alone_and_the_others_are_unchanged(compiled, to
 
     engine = Engine(compiled, tokenizer, EngineConfig(overlap=overlap))
     if poison == "sampler":
-        _poison_sampler(monkeypatch, engine)
+        _poison_sampler(monkeypatch)
         bad = SamplingParams(max_tokens=8, seed=POISON_SEED, n=2)
     else:
         _poison_detokenizer(monkeypatch)
@@ -76,32 +78,43 @@ def test_a_failing_request_fails_alone_and_the_others_are_unchanged(compiled, to
     assert engine.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("mode, poison", [("in_process", "sampler"), ("engine_process", "sampler"),
+                                         ("engine_process", "detokenizer")])
 def test_over_http_the_failing_request_gets_a_500_or_an_error_event_and_the_server_goes_on(compiled, tokenizer,
-                                                                                          monkeypatch):
-    with serving(compiled, tokenizer) as server:
-        _poison_sampler(monkeypatch, server.state.engine.engine)
-        good = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+                                                                                          monkeypatch, mode, poison):
+    """In its own process the engine samples (a failure there) and this one detokenizes (one here)."""
+    good = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    bad_fields = {"seed": POISON_SEED} if poison == "sampler" else {"stop": [POISON_STOP]}
+    _poison_sampler(monkeypatch) if poison == "sampler" else _poison_detokenizer(monkeypatch)
+    with serving(compiled, tokenizer, engine_process=mode == "engine_process") as server:
         expected = httpx.post(server.url + "/v1/completions", json=good, timeout=60).json()["choices"][0]["text"]
         results = []
         threads = [threading.Thread(target=lambda: results.append(
             httpx.post(server.url + "/v1/completions", json=good, timeout=60).json())) for _ in range(4)]
         for t in threads:
             t.start()
-        bad = httpx.post(server.url + "/v1/completions", json={**good, "seed": POISON_SEED}, timeout=60)
-        with httpx.stream("POST", server.url + "/v1/completions", json={**good, "seed": POISON_SEED, "stream": True},
+        bad = httpx.post(server.url + "/v1/completions", json={**good, **bad_fields}, timeout=60)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**good, **bad_fields, "stream": True},
                           timeout=60) as response:
             lines = [line for line in response.iter_lines() if line]
         for t in threads:
             t.join()
         assert bad.status_code == 500 and "failed in the engine" in bad.json()["error"]["message"]
-        assert "OverflowError" in bad.json()["error"]["message"]
+        assert ("OverflowError" if poison == "sampler" else "UnicodeDecodeError") in bad.json()["error"]["message"]
         error_event = httpx.Response(200, content=lines[-2][len("data: "):]).json()
         assert lines[-1] == "data: [DONE]" and error_event["error"]["code"] == 500
         assert [r["choices"][0]["text"] for r in results] == [expected] * 4
         assert httpx.get(server.url + "/health").json() == {"status": "ok"}
         metrics = httpx.get(server.url + "/metrics").text
         assert 'autodeploy_request_failure_total{model_name="tiny",status="500"} 2.0' in metrics
-        assert server.state.engine.stats().num_used_blocks == 0
+        assert settled_stats(server.state.engine).num_used_blocks == 0
+
+
+_runner_init = ModelRunner.__init__
+
+
+def _runner_on_a_faulty_device(self, model, sampler):
+    _runner_init(self, _FaultyDevice(model), sampler)
 
 
 class _FaultyDevice:
@@ -117,10 +130,10 @@ class _FaultyDevice:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
 
-def test_a_device_fault_stops_the_engine_and_health_says_why(compiled, tokenizer):
-    with serving(compiled, tokenizer) as server:
-        runner = server.state.engine.engine.runner
-        runner.model = _FaultyDevice(runner.model)
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_a_device_fault_stops_the_engine_and_health_says_why(compiled, tokenizer, monkeypatch, mode):
+    monkeypatch.setattr(ModelRunner, "__init__", _runner_on_a_faulty_device)
+    with serving(compiled, tokenizer, engine_process=mode == "engine_process") as server:
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert response.status_code == 503 and "illegal memory access" in response.json()["error"]["message"]
         health = httpx.get(server.url + "/health")

@@ -15,8 +15,9 @@ from conftest import serving
 
 EXAMPLES = 40  # per route and mode: about a minute for all of them on two CPU cores
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-ROUTES = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-          "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize", "GET /tokenizer_info"]
+ROUTES = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
+          "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+          "GET /tokenizer_info"]
 
 
 @pytest.fixture(scope="module")

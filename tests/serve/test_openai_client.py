@@ -3,6 +3,10 @@
 import openai
 import pytest
 
+from conftest import ENGINE_MODES
+
+LIVE_MODES = ENGINE_MODES  # the representative subset that runs against both engines
+
 
 @pytest.fixture(scope="module")
 def client(live):

@@ -24,7 +24,8 @@ def test_serve_takes_the_quantization_flag(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_ct_fp8_dynamic", "qwen3_ct_fp8_static", "llama_ct_fp8_block",
-                                  "qwen3_moe_ct_fp8_dynamic", "llama_modelopt_fp8", "qwen3_modelopt_nvfp4"])
+                                  "qwen3_moe_ct_fp8_dynamic", "llama_modelopt_fp8", "qwen3_modelopt_nvfp4",
+                                  "llama_ct_fp8_kv"])  # (its reference rounds k/v through e4m3 as our cache does)
 def test_the_engine_serves_each_format(name):
     import torch
 
@@ -43,7 +44,7 @@ def test_online_fp8_over_http(tiny_dir, tokenizer):
 
     compiled = autodeploy.compile(tiny_dir, quantization="fp8", **COMPILE_OPTIONS)
     offline = autodeploy.LLM(compiled, tokenizer).generate("The quick brown fox", GREEDY)[0].outputs[0].text
-    state = make_state(compiled, tokenizer)
+    state = make_state(compiled, tokenizer, engine_process=False)  # the report reads the engine
     server = LiveServer(build_app(state))
     try:
         body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -22,7 +22,7 @@ def print_config(capsys, *argv) -> dict:
 def test_defaults(capsys, monkeypatch):
     monkeypatch.delenv("AUTODEPLOY_API_KEY", raising=False)
     config = print_config(capsys)
-    assert config["host"] == "127.0.0.1" and config["port"] == 8000 and config["served_model_name"] == "ckpt"
+    assert config["host"] == "127.0.0.1" and config["port"] == 8000 and config["served_model_name"] == ["ckpt"]
     assert config["enable_prefix_caching"] is True and config["api_key"] is None
     assert config["max_batch_size"] == 64  # CompileConfig's default
 
@@ -46,7 +46,7 @@ def test_vllm_and_trtllm_spellings(capsys):
                           "--served-model-name", "tiny")
     assert (config["max_batch_size"], config["max_seq_len"], config["max_num_tokens"]) == (5, 77, 99)
     assert config["kv_cache_free_gpu_memory_fraction"] == 0.5
-    assert config["enable_prefix_caching"] is False and config["served_model_name"] == "tiny"
+    assert config["enable_prefix_caching"] is False and config["served_model_name"] == ["tiny"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -64,7 +64,7 @@ def test_after_the_drain_timeout_streams_end_with_an_error_event_and_done(compil
 def test_sigterm_drains_and_exits_0_without_tracebacks(tiny_dir):
     argv = [sys.executable, "-m", "autodeploy.cli", "serve", str(tiny_dir), "--port", "0", "--device", "cpu",
             "--dtype", "float32", "--max_seq_len", "256", "--num_kv_blocks", "64", "--drain_timeout", "0.3",
-            "--log_level", "info"]
+            "--log_level", "info", "--engine_process", "on", "--set", "warm_up=true"]  # as on CUDA
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     events, first_token = [], threading.Event()
@@ -86,3 +86,4 @@ def test_sigterm_drains_and_exits_0_without_tracebacks(tiny_dir):
     assert proc.returncode == 0, err[-3000:]
     assert events[-1] == "data: [DONE]" and '"code":503' in events[-2].replace(" ", "")
     assert "Traceback" not in err and "CancelledError" not in err, err[-3000:]
+    assert "engine       in its own process (pid" in out and "warm-up      " in out  # spawned, warmed up

@@ -90,10 +90,10 @@ def test_a_step_that_fails_after_the_forward_reruns_the_others_from_their_first_
     engine = Engine(hybrid, None, EngineConfig(overlap=False))
     sample = engine.runner.sampler.sample
 
-    def poisoned(logits, seqs):
+    def poisoned(logits, seqs, *rest):
         if any(s.params.seed == 13 and s.num_output_tokens >= 2 for s in seqs):
             raise OverflowError("poisoned")
-        return sample(logits, seqs)
+        return sample(logits, seqs, *rest)
 
     monkeypatch.setattr(engine.runner.sampler, "sample", poisoned)
     for i, prompt in enumerate(prompts):
@@ -106,3 +106,19 @@ def test_a_step_that_fails_after_the_forward_reruns_the_others_from_their_first_
     assert errors["1"].startswith("OverflowError") and errors["0"] is None and errors["2"] is None
     assert [results[i].result().outputs[0].token_ids for i in "02"] == [clean[i].outputs[0].token_ids for i in (0, 2)]
     assert _all_returned(engine)
+
+
+def test_an_fp8_kv_cache_leaves_the_state_pool_in_the_states_own_dtypes(hybrid):
+    """``kv_cache_dtype=fp8`` quantizes the attention layers' KV pool only: the convolution window keeps
+    the model's dtype and the SSM state fp32, and the engine runs the model as with the bf16/fp32 pool."""
+    import autodeploy
+
+    fp8 = autodeploy.compile(hybrid.model_dir, device="cpu", dtype="float32", max_batch_size=SLOTS, max_num_tokens=32,
+                             max_seq_len=96, num_kv_blocks=64, tokens_per_block=8, kv_cache_dtype="fp8")
+    assert {c.dtype for c in fp8.pool.caches} == {torch.float8_e4m3fn}
+    assert [s.dtype for s in fp8.pool.state.states] == [s.dtype for s in hybrid.pool.state.states]
+    assert {s.dtype for s in fp8.pool.state.states} == {torch.float32}
+    prompts = _prompts(fp8.vocab_size, [9, 20], seed=3)
+    engine = Engine(fp8, None, EngineConfig())
+    outputs = run_batched(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(c) for (c,) in tokens(outputs)] == [6, 6] and _all_returned(engine)
