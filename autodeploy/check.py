@@ -103,6 +103,9 @@ def run_check(
 def _run_streams(model: CompiledModel, prompts, streams, ref_logits, chunk_size: int, result: CheckResult) -> None:
     allocator = BlockAllocator(model.num_blocks)
     blocks = [tuple(allocator.allocate(blocks_needed(len(s), model.block_size))) for s in streams]
+    if model.num_state_slots and model.num_state_slots < len(streams):
+        raise ValueError(f"the canary runs {len(streams)} sequences at once; the state pool holds {model.num_state_slots}")
+    slots = list(range(len(streams))) if model.num_state_slots else [-1] * len(streams)  # a state slot each
     done = [0] * len(streams)  # tokens already fed
     ends = [len(s) - 1 for s in streams]  # the last generated token is never fed back
     step = 0
@@ -114,7 +117,7 @@ def _run_streams(model: CompiledModel, prompts, streams, ref_logits, chunk_size:
         chunks = []
         for b in batch:
             n = min(chunk_size, len(prompts[b]) - done[b]) if done[b] < len(prompts[b]) else 1
-            chunks.append(SequenceChunk(tuple(streams[b][done[b] : done[b] + n]), done[b], blocks[b]))
+            chunks.append(SequenceChunk(tuple(streams[b][done[b] : done[b] + n]), done[b], blocks[b], state_slot=slots[b]))
         logits = model(chunks).float().cpu()
         for row, (b, chunk) in enumerate(zip(batch, chunks)):
             _compare(result, logits[row], ref_logits[b][chunk.end - 1], streams[b], chunk.end, len(prompts[b]))

@@ -3,7 +3,8 @@
 A compiled model runs one engine step: given the chunks of the scheduled sequences (see
 ``autodeploy.kvcache.metadata``), it returns one row of logits per sequence (at its chunk's last
 token; a chunk may ask for its last ``num_logits`` tokens instead). It owns the KV pool;
-block ids are handed out by the caller (the engine's block manager).
+block ids (and state slots, for a model with recurrent or convolution state) are handed out by
+the caller (the engine's block manager).
 
 A step runs one of three ways: a decode step that fits a captured decode graph replays it
 (``autodeploy.cudagraph``); another step of at most the largest piecewise token bucket is padded to
@@ -98,6 +99,11 @@ class CompiledModel:
     @property
     def max_seq_len(self) -> int:
         return self.capacity.max_seq_len
+
+    @property
+    def num_state_slots(self) -> int:
+        """Sequences the state pool holds at once (0: no layer with recurrent or convolution state)."""
+        return self.pool.state.num_slots if self.pool.state is not None else 0
 
     @functools.cached_property
     def vocab_size(self) -> int:

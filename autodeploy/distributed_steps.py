@@ -94,7 +94,8 @@ def follow_steps(model, job: TensorParallel) -> int:
 
 def batch_from_flat(flat: torch.Tensor, tokens: int, seqs: int, max_blocks: int, logits: int) -> BatchMetadata:
     """The inverse of :meth:`StepPublisher.eager`: views of ``flat``, one per metadata field."""
-    sizes = [tokens, tokens, seqs, seqs, seqs + 1, seqs * max_blocks, tokens, logits]
+    sizes = [tokens, tokens, seqs, seqs, seqs + 1, seqs * max_blocks, tokens, logits, seqs]  # (state_slots last)
+    assert len(sizes) == len(GRAPH_INPUTS)
     fields = dict(zip(GRAPH_INPUTS, torch.split(flat, sizes)))
     fields["block_table"] = fields["block_table"].view(seqs, max_blocks)
     return BatchMetadata(**fields)

@@ -153,8 +153,7 @@ def _materialize_non_persistent_buffers(model: torch.nn.Module) -> dict[str, tor
         if not names:
             continue
         module.to_empty(device="cpu", recurse=False)
-        with torch.no_grad():
-            model._init_weights(module)
+        _init_buffers(model, module_name, module, names)
         for name in names:
             values[f"{module_name}.{name}" if module_name else name] = module._buffers[name].clone()
         for key in list(module._parameters):
@@ -164,6 +163,25 @@ def _materialize_non_persistent_buffers(model: torch.nn.Module) -> dict[str, tor
             if module._buffers[key] is not None:
                 module._buffers[key] = module._buffers[key].to("meta")
     return values
+
+
+def _init_buffers(model: torch.nn.Module, module_name: str, module: torch.nn.Module, names: list[str]) -> None:
+    """Fill ``module``'s non-persistent buffers as HF's ``_init_weights`` does: the module's own call
+    first, then its ancestors' (FalconH1's model writes every mixer's ``mup_vector``), nearest first.
+    Float buffers start as NaN so that one no call writes is an error, not uninitialized memory."""
+    floats = [n for n in names if module._buffers[n].is_floating_point()]
+    for name in floats:
+        module._buffers[name].fill_(float("nan"))
+    parts = module_name.split(".") if module_name else []
+    owners = [module] + [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) - 1, -1, -1)]
+    with torch.no_grad():
+        for owner in owners:
+            model._init_weights(owner)
+            if not any(module._buffers[n].isnan().any() for n in floats):
+                return
+    missing = [f"{module_name}.{n}" for n in floats if module._buffers[n].isnan().any()]
+    raise ModelLoadError(f"no _init_weights of {type(model).__name__} fills the non-persistent buffers {missing}; "
+                         "their values are not in the checkpoint, so the model cannot be built")
 
 
 class WeightSource(ABC):
@@ -221,7 +239,10 @@ class TransformersSource(WeightSource):
 
     def _load(self) -> dict[str, torch.Tensor]:
         if self._state is None:
-            kwargs = {"dtype": self.dtype, "trust_remote_code": self.checkpoint.trust_remote_code}
+            # use_kernels=False: transformers 5.25 defaults to hub kernels for some layers (Mamba-2's), which
+            # it cannot fetch offline; the weights are all that is read here
+            kwargs = {"dtype": self.dtype, "trust_remote_code": self.checkpoint.trust_remote_code,
+                      "use_kernels": False}
             if not self.checkpoint.is_safetensors:
                 kwargs["use_safetensors"] = False
             model = AutoModelForCausalLM.from_pretrained(self.checkpoint.path, **kwargs)

@@ -31,6 +31,7 @@ BASE = {
 # are small (8) so that the canary's prompts (up to 40 tokens + 16 steps) cross them.
 _SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"]}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16}
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
          "beta_slow": 1.0}
 _MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12}
@@ -87,6 +88,14 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1],
                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                    "linear_value_head_dim": 16},  # dense; its Gated DeltaNet layer is refused (zoo README)
+    # Mamba-2 hybrids: layer 0 Mamba-2 (8 heads of 16, 2 groups, state 16, chunks of 16 so the canary's
+    # 40-token prompts span three), layer 1 attention
+    "bamba": {**_MAMBA2, "attn_layer_indices": [1]},
+    "falcon_h1": {**_MAMBA2, "mamba_d_ssm": 128, "head_dim": 16},  # attention and Mamba-2 side by side in each layer
+    "granitemoehybrid": {**_MAMBA2, "layer_types": ["mamba", "attention"], "num_local_experts": 4,
+                         "num_experts_per_tok": 2},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
+                   "head_dim": 16, "layers_block_type": ["mamba", "attention", "mlp"], "num_hidden_layers": 3},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
               "first_k_dense_replace": 1},  # its config leaves the MoE sizes None; layer 0 dense, layer 1 MoE
     # sinks, sliding (8) then full layer, YaRN RoPE, MoE: router with bias, transposed experts with biases,

@@ -5,7 +5,7 @@ have every attention layer as ``paged_attention`` (with the expected sliding win
 layer as ``moe``; then the canary (``autodeploy.check.run_check``: fp32, staggered joins, chunked
 prefill mixed with decodes, 16 greedy steps) must pass at rel err <= 1e-4 with identical tokens. Models
 marked ``engine`` also run through the engine: with too few KV blocks (preemptions) it must generate what
-it generates uncontended, and aborting requests mid-run must free every block.
+it generates uncontended, and aborting requests mid-run must free every block (and state slot).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def check_engine(compiled) -> None:
     tight = Engine(compiled, None, EngineConfig(num_blocks=-(-(25 + 12) // compiled.block_size) + 1))
     assert _generate(tight, prompts, params) == want
     assert tight.stats().num_preemptions > 0 and tight.blocks.num_used == 0
+    assert tight.blocks.num_free_state_slots == tight.blocks.num_state_slots  # (a state model's slots all back)
     engine = Engine(compiled, None, EngineConfig())
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -79,6 +80,7 @@ def check_engine(compiled) -> None:
     assert engine.blocks.num_used > 0
     finals = [engine.abort_request(str(i)) for i in range(len(prompts))]
     assert engine.blocks.num_used == 0 and all(f.outputs[0].finish_reason == "abort" for f in finals)
+    assert engine.blocks.num_free_state_slots == engine.blocks.num_state_slots
 
 
 @pytest.mark.parametrize("zoo_model", [_param(m) for m in ZOO])
@@ -91,10 +93,12 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
             compile_model(model_dir, **settings)
         return
     compiled = compile_model(model_dir, **settings)
-    layers = compiled.hf_config.num_hidden_layers
     counts = compiled.report.op_counts
+    layers = zoo_model.attention_layers or compiled.hf_config.num_hidden_layers
     op = "paged_mla" if zoo_model.mla else "paged_attention"
     assert counts.get(op) == layers, f"attention layers not all canonicalized: {counts}"
+    state_ops = (counts.get("ssm_scan_cached", 0), counts.get("causal_conv1d_cached", 0))
+    assert state_ops == (zoo_model.state_layers,) * 2, f"state layers not all canonicalized: {counts}"
     assert attention_flags(compiled, "sliding_window", op) == list(zoo_model.windows)
     assert attention_flags(compiled, "chunk_size", op) == list(zoo_model.chunks)
     assert [s is not None for s in attention_flags(compiled, "alibi_slopes", op)] == [zoo_model.alibi] * layers

@@ -8,7 +8,9 @@ layers carry ALiBi slopes, ``sinks`` whether they have learned attention sinks; 
 real reason when an architecture cannot pass yet (the README lists the same reasons); ``refused`` the
 error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
 a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
-(preemption) and an abort.
+(preemption) and an abort. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
+scan, each with its causal convolution), kept in the state pool beside the KV cache; ``attention_layers``
+the paged-attention layers when not every layer has one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class ZooModel:
     alibi: bool = False  # every attention layer has ALiBi slopes
     sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
+    state_layers: int = 0  # ssm_scan_cached (and as many causal_conv1d_cached) in the compiled graph
+    attention_layers: int | None = None  # None: every layer
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
     slow: bool = False  # export alone takes ~20 s on the CI machine
@@ -90,6 +94,14 @@ ZOO: tuple[ZooModel, ...] = (
              refused=r"check_uncached_state' failed: the layer with state the KV cache does not hold in "
                      r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
              slow=True),  # its chunked delta rule unrolls 64 steps into the export
+    ZooModel("bamba", "Mamba-2 layer (SSD scan, causal conv, gated RMSNorm) + attention layer: state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, engine=True),
+    ZooModel("nemotron_h", "Mamba-2 + attention + MLP-only layers (one sublayer each), state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1),
+    ZooModel("granitemoehybrid", "Mamba-2 + attention layer, MoE with Granite multipliers, state pool",
+             windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, moe_layers=2),
+    ZooModel("falcon_h1", "attention and Mamba-2 side by side in every layer, muP multipliers (a buffer its model's "
+             "_init_weights fills), state pool", state_layers=2),
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
     ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "

@@ -8,6 +8,10 @@ holds (see :func:`kv_budget`). On the CPU:
 ``num_kv_blocks`` overrides both. Under tensor parallelism each rank sizes its own pool (its own
 key/value heads and free memory) and all take the smallest.
 
+A model with recurrent or convolution state (``insert_state_cache``'s specs) gets its state pool
+first: one slot per sequence of ``max_batch_size``, fixed size whatever the length; the KV pool
+takes what is left of the budget. The report gives the two capacities separately.
+
 The profiling step is the first forward on the GPU: run as is, its first launches would compile
 their Triton kernels one after another (a fresh H200 host: 4-5 s for the 8B shape, mostly the prefill
 attention). Only its memory peak matters, and where no op's allocations depend on values (no MoE
@@ -31,6 +35,7 @@ from autodeploy.distributed import min_over_ranks
 from autodeploy.kvcache.allocator import blocks_needed
 from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
 from autodeploy.kvcache.pool import KVCapacity, KVPool
+from autodeploy.kvcache.state_pool import StatePool
 from autodeploy.pipeline.base import CompileContext, Pass, PassResult, Stage
 
 log = logging.getLogger("autodeploy.kv_cache")
@@ -46,13 +51,16 @@ class AllocateKVCache(Pass):
         specs, cfg = ctx.artifacts["kv_specs"], ctx.config
         block_size, max_seq_len = cfg.tokens_per_block, ctx.artifacts["max_seq_len"]
         blocks_per_seq = blocks_needed(max_seq_len, block_size)
+        state_specs = ctx.artifacts.get("state_specs", [])
+        state_bytes = cfg.max_batch_size * StatePool.bytes_per_slot(state_specs)
         start = time.perf_counter()
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif ctx.device.type == "cuda":
-            num_blocks = KVPool.blocks_for_budget(specs, block_size, self._cuda_budget(ctx, blocks_per_seq))
+            budget = self._cuda_budget(ctx, blocks_per_seq) - state_bytes
+            num_blocks = KVPool.blocks_for_budget(specs, block_size, max(0, budget))
         else:
-            budget = KVPool.blocks_for_budget(specs, block_size, cfg.kv_cache_cpu_bytes)
+            budget = KVPool.blocks_for_budget(specs, block_size, max(0, cfg.kv_cache_cpu_bytes - state_bytes))
             num_blocks = min(budget, cfg.max_batch_size * blocks_per_seq)
         num_blocks = _addressable(num_blocks, specs, block_size, explicit=bool(cfg.num_kv_blocks))
         if cfg.tp_size > 1:  # rank 0 hands out block ids for every rank's pool: all hold the fewest
@@ -63,25 +71,29 @@ class AllocateKVCache(Pass):
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
         sized = time.perf_counter()
-        ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device)
+        state = StatePool(state_specs, cfg.max_batch_size, ctx.device) if state_specs else None
+        ctx.artifacts["kv_pool"] = KVPool(specs, num_blocks, block_size, ctx.device, state=state)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         capacity = KVCapacity(num_blocks, block_size, max_seq_len, KVPool.describe_layout(specs), specs[0].dtype,
                               ctx.dtype)
         ctx.artifacts["kv_capacity"] = capacity
-        log.info(capacity.describe())
+        described = capacity.describe() + (f"; state cache: {state.capacity().describe()}" if state is not None else "")
+        log.info(described)
         pending = len(ctx.artifacts.get("pending_kernels", ()))
         deferred = f", {pending} kernels left to the warm-up's compile" if pending else ""
         allocated = time.perf_counter() - sized
         timing = f" (sized in {sized - start:.1f} s{deferred}, allocated in {allocated:.1f} s)"
-        return PassResult(num_blocks, capacity.describe() + timing)
+        return PassResult(num_blocks, described + timing)
 
     def _cuda_budget(self, ctx: CompileContext, blocks_per_seq: int) -> int:
         cfg = ctx.config
         chunks, n_blocks = profiling_chunks(cfg.max_num_tokens, ctx.artifacts["max_seq_len"], cfg.max_batch_size,
                                            cfg.tokens_per_block)
         tokens = sum(len(c.token_ids) for c in chunks)
-        scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device)
+        state_specs = ctx.artifacts.get("state_specs", [])
+        scratch_state = StatePool(state_specs, 1, ctx.device) if state_specs else None  # the step writes no slot
+        scratch = KVPool(ctx.artifacts["kv_specs"], n_blocks + 1, cfg.tokens_per_block, ctx.device, state=scratch_state)
         batch = BatchMetadata.build(chunks, cfg.tokens_per_block, ctx.device)
         activations = self._profile(ctx, lambda: ctx.gm(**batch.as_kwargs(), **scratch.as_kwargs()))
         del scratch, batch

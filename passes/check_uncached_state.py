@@ -1,9 +1,10 @@
 """check_uncached_state: refuse a model whose tokens depend on each other other than through attention.
 
-After canonicalization, the canonical attention is the only op whose history the paged KV cache
-keeps. A layer whose output depends on earlier tokens through anything else (linear attention /
-Gated DeltaNet, an SSM scan, a causal convolution over tokens, a cache object left in the graph)
-would lose that state between engine steps and compute something else, silently. This pass proves
+After canonicalization, the canonical attention (history in the paged KV cache) and the state ops
+(Mamba-2 SSM scan, gated delta rule, causal convolution: history in the state pool) are the only
+ops that may read other tokens. A layer whose output depends on earlier tokens through anything
+else (a spelling no state rule knows, a cache object left in the graph) would lose that state
+between engine steps and compute something else, silently. This pass proves
 every other live op token-local (``autodeploy.graph.token_flow``) or stops the compile naming the HF
 module of the first layer it cannot prove, before any weight is loaded.
 """
@@ -33,9 +34,9 @@ class CheckUncachedState(Pass):
                 _layers_first_one_first(node, [n for n, _ in found]),
                 f"its output depends on other tokens through something other than attention ({node.name} {why}{more}); "
                 "decoding step by step would silently drop that state (linear attention, a recurrent or "
-                "convolution state, a cache object)",
+                "convolution state, a cache object) and no rule of canonicalize_state recognized the layer",
             )
-        return PassResult(0, "only attention carries state across tokens")
+        return PassResult(0, "only attention and the state ops carry state across tokens")
 
 
 def _layers_first_one_first(first, nodes) -> list[str]:

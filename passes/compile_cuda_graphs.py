@@ -4,8 +4,9 @@
 
 Decode graphs are skipped, with the reason in the pass table, with attention backends that
 synchronize with the host (the torch reference backend) and with ops that do (MoE's reference
-routing); piecewise graphs run those eagerly between the pieces, so they need neither, but rely on
-``check_uncached_state`` having proved the graph token-local (padding rows stay in their rows). On
+routing, the state ops' host loop over the sequences); piecewise graphs run those eagerly between
+the pieces, so they need neither, but rely on ``check_uncached_state`` having proved the graph
+token-local outside attention and the state ops (padding rows stay in their rows). On
 the CPU nothing is captured; ``piecewise_on_cpu`` runs the piecewise path there with each piece
 called where a graph would replay (tests). ``enforce_eager`` (vLLM's ``--enforce-eager``) captures nothing.
 """

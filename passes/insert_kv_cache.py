@@ -24,7 +24,7 @@ from torch import fx
 
 from autodeploy.graph.meta import add_graph_input, propagate_meta
 from autodeploy.graph.modules import layer_of
-from autodeploy.kvcache.metadata import METADATA_INPUTS
+from autodeploy.kvcache.metadata import ATTENTION_INPUTS, METADATA_INPUTS
 from autodeploy.kvcache.pool import KVCacheSpec
 from autodeploy.ops.attention_backends import AttentionBackend, resolve_attention_backend
 from autodeploy.ops.mla import mla_op_for
@@ -137,7 +137,7 @@ def _replace(
         flat = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (q, k, v)]  # [1, T, H, D] -> [T, H, D]
         out = graph.call_function(
             backend.op,
-            (*flat, cache, *(meta[n] for n in METADATA_INPUTS if n != "logits_indices")),
+            (*flat, cache, *(meta[n] for n in ATTENTION_INPUTS)),
             {
                 "scale": kwargs["scale"],
                 **{name: kwargs.get(name) for name in _CARRIED},
@@ -170,7 +170,7 @@ def _replace_mla(
     q_nope, q_pe, c_kv, k_pe, w_kv_b, scale = node.args
     with graph.inserting_before(node):
         flat = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (q_nope, q_pe, c_kv, k_pe)]
-        step = [meta[n] for n in METADATA_INPUTS if n != "logits_indices"]
+        step = [meta[n] for n in ATTENTION_INPUTS]
         out = graph.call_function(mla_op_for(backend.name, node.name), (*flat, w_kv_b, cache, *step, scale))
         restored = graph.call_function(aten.unsqueeze.default, (out, 0))
     _swap_in(gm, node, [*flat, out, restored], f"insert_kv_cache/layer{layer}/{backend.name}")

@@ -42,7 +42,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request_bounds import RequestBounds, check_request
 from .runner import ModelRunner, PendingStep
 from .sampler import Sampler
-from .scheduler import Schedule, Scheduler
+from .scheduler import ScheduledChunk, Schedule, Scheduler
 from .sequence import Request, Sequence, Status, new_sequences
 from .structured import GrammarCompiler, StructuredOutputs
 
@@ -95,7 +95,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         num_blocks = min(config.num_blocks or model.num_blocks, model.num_blocks)
-        self.blocks = BlockManager(num_blocks, model.block_size, config.enable_prefix_caching)
+        caching = config.enable_prefix_caching and not model.num_state_slots  # a prefix comes without its state
+        self.blocks = BlockManager(num_blocks, model.block_size, caching, num_state_slots=model.num_state_slots)
         self.max_num_tokens = min(config.max_num_tokens or model.config.max_num_tokens, model.config.max_num_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens,
                                    config.max_num_prefill_tokens)
@@ -239,7 +240,10 @@ class Engine:
         if self._in_flight is not None:
             reports += self._resolve(self._in_flight)
             self._in_flight = None
-        return reports + self._run_split([c for c in schedule.chunks if not c.seq.is_finished])
+        chunks = [c for c in schedule.chunks if not c.seq.is_finished]
+        if self.model.num_state_slots:  # the failed launch may have advanced states: rerun from scratch
+            chunks = [_from_first_token(c) for c in chunks]
+        return reports + self._run_split(chunks)
 
     def _run_split(self, chunks: list) -> list[RequestOutput]:
         if not chunks:
@@ -438,6 +442,13 @@ class Engine:
     def request_bounds(self) -> RequestBounds:
         return RequestBounds(self.model.vocab_size, self.model.max_seq_len, self.blocks.num_blocks,
                              self.blocks.block_size)
+
+
+def _from_first_token(chunk: ScheduledChunk) -> ScheduledChunk:
+    """The chunk widened back to the sequence's first token. A launch that raised may have run the
+    forward (a sampling error comes after it): KV writes repeat harmlessly, but a recurrent state
+    would be advanced twice. From the first token, every state starts from zero again."""
+    return ScheduledChunk(chunk.seq, 0, chunk.end, chunk.end if chunk.seq.wants_prompt_logprobs else chunk.num_logits)
 
 
 def _freeze_long_lived_objects() -> None:

@@ -84,7 +84,8 @@ class ModelRunner:
     def launch(self, schedule: Schedule, previous: PendingStep | None = None) -> PendingStep:
         """Queue ``schedule``; placeholders of tokens that ``previous`` samples are read on the device."""
         chunks = [
-            SequenceChunk(tuple(c.seq.token_ids[c.start : c.end]), c.start, tuple(c.seq.block_ids), c.num_logits)
+            SequenceChunk(tuple(c.seq.token_ids[c.start : c.end]), c.start, tuple(c.seq.block_ids), c.num_logits,
+                          c.seq.state_slot)
             for c in schedule.chunks
         ]
         deferred = _deferred_tokens(schedule, previous) if previous is not None and previous.token_index else None

@@ -17,6 +17,11 @@ If the KV blocks run out, the newest running sequence not yet in this step is pr
 are freed and it goes back to the front of the waiting queue to be recomputed later (its generated
 tokens are kept).
 
+A model with recurrent or convolution state (see ``kvcache/state_pool.py``) needs a state slot per
+running sequence: admission takes one from the block manager with the blocks, and every release
+(finish, abort, preemption) gives it back. A preempted sequence restarts from its first token, so
+its state is rebuilt by prefilling again, like its KV blocks.
+
 Nothing here touches the device; the engine turns a :class:`Schedule` into model inputs.
 """
 
@@ -136,7 +141,7 @@ class Scheduler:
             seq.num_computed = match.num_tokens
         n = min(seq.num_uncomputed, budget)
         need = blocks_needed(seq.num_computed + n, self.blocks.block_size) - len(seq.block_ids)
-        if need > self.blocks.num_free:
+        if need > self.blocks.num_free or not self._has_state_slot_for(seq):
             self._release(seq)  # give the matched blocks back; they stay cached
             return None
         if match is not None:
@@ -144,6 +149,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.num_cached_tokens = match.num_tokens
         seq.block_ids.extend(self.blocks.allocate(need))
+        if self.blocks.num_state_slots:
+            seq.state_slot = self.blocks.allocate_state_slot()
         seq.status = Status.RUNNING
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         self.running.append(seq)
@@ -160,6 +167,12 @@ class Scheduler:
         self.blocks.free(seq.block_ids)
         seq.block_ids, seq.block_keys = [], []
         seq.num_computed = 0
+        if seq.state_slot >= 0:
+            self.blocks.free_state_slot(seq.state_slot)
+            seq.state_slot = -1
+
+    def _has_state_slot_for(self, seq: Sequence) -> bool:
+        return not self.blocks.num_state_slots or seq.state_slot >= 0 or self.blocks.num_free_state_slots > 0
 
 
 class _StepBuilder:

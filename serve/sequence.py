@@ -60,6 +60,7 @@ class Sequence:
     num_pending_tokens: int = 0  # trailing token ids that the step in flight is still sampling
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
+    state_slot: int = -1  # its slot in the state pool while running (models with recurrent/conv state)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while prefilling when asked

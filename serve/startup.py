@@ -258,9 +258,11 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"compile      {seconds:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items()),
         f"KV cache     {cap.num_blocks} blocks x {cap.block_size} tokens = {cap.num_tokens} tokens, "
         f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len} ({cap.dtype_words()})",
+        *([f"state cache  {model.pool.state.capacity().describe()}"] if model.num_state_slots else []),
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
         f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
-        f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}",
+        f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}"
+        + (" (the model has recurrent state)" if model.num_state_slots else ""),
         f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
         f"defaults     {defaults.describe() if defaults else 'none'}" + (f"; seed {settings.seed}" if settings.seed is not None else ""),

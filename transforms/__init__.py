@@ -23,5 +23,7 @@ for _name, _target in {
     "match_rms_norm": "autodeploy.transforms.match_rms_norm:MatchRMSNorm",
     "match_gated_mlp": "autodeploy.transforms.match_gated_mlp:MatchGatedMLP",
     "match_moe": "autodeploy.transforms.match_moe:MatchMoE",
+    "match_causal_conv1d": "autodeploy.transforms.match_causal_conv1d:MatchCausalConv1d",
+    "match_mamba2_ssd": "autodeploy.transforms.match_mamba:MatchMamba2SSD",
 }.items():
     RULES.register_lazy(_name, _target)

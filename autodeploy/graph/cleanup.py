@@ -10,6 +10,7 @@ a full slice with some torch versions).
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -91,8 +92,25 @@ def _is_noop_arith(node: fx.Node) -> bool:
     return isinstance(x_val, torch.Tensor) and isinstance(out_val, torch.Tensor) and x_val.dtype == out_val.dtype
 
 
+def _is_whole_first_split(node: fx.Node) -> bool:
+    """``x.tensor_split([n], dim)[0]`` with n the size of dim (transformers 5.25's Mamba-2 mixers cut
+    their inputs at the token count): the identity."""
+    if node.target is not operator.getitem or node.args[1] != 0:
+        return False
+    split = node.args[0]
+    if not isinstance(split, fx.Node) or split.target != aten.tensor_split.indices or len(split.args) < 2:
+        return False
+    x, indices = split.args[0], split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    x_val = getattr(x, "meta", {}).get("val")
+    if not isinstance(x_val, torch.Tensor) or len(indices) != 1:
+        return False
+    index = indices[0].meta.get("val") if isinstance(indices[0], fx.Node) else indices[0]
+    return str(index) == str(x_val.shape[dim])  # the same symbol (or number): the same size
+
+
 def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop asserts, detaches and no-op dropouts/slices/arithmetic, make private in-place arithmetic
+    """Drop asserts, detaches and no-op dropouts/slices/splits/arithmetic, make private in-place arithmetic
     out-of-place, fold tensors filled slice by slice into ``cat`` (``slice_fill``), eliminate dead
     code, lint and recompile."""
     graph = gm.graph
@@ -100,6 +118,9 @@ def cleanup_graph(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         if node.target in _ASSERT_TARGETS:
+            graph.erase_node(node)
+        elif _is_whole_first_split(node):
+            node.replace_all_uses_with(node.args[0].args[0])
             graph.erase_node(node)
         elif node.target in _DETACH or _is_noop_dropout(node) or _is_noop_slice(node) or _is_noop_arith(node):
             node.replace_all_uses_with(node.args[0])

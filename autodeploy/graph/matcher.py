@@ -88,6 +88,8 @@ def _normalize_dim(value: Any, rank: int | None) -> Any:
 def schema_values(node: fx.Node) -> list[tuple[str, Any]]:
     """(name, value) for every schema argument of an op node, defaults filled in, dims normalized."""
     values = _raw_schema_values(node)
+    if node.target == aten.slice.Tensor:  # x[:n] exports with start None or 0: one spelling
+        values = [(n, 0 if n == "start" and v is None else v) for n, v in values]
     dim_args = _DIM_ARGS.get(node.target)
     if dim_args:
         rank = _rank(node)

@@ -28,10 +28,12 @@ from torch.fx.passes.split_module import split_module
 
 from .. import ops  # noqa: F401  (registers the canonical ops named below)
 from ..kvcache.metadata import TOKEN_INPUTS
+from ..ops.state_ops import STATE_OPS
 
 # ops whose implementation reads device values on the host (a capture fails on them)
 HOST_SYNC_OPS: dict[object, str] = {
     torch.ops.autodeploy.moe.default: "reads the routed expert ids on the host (.tolist())",
+    **{op: "loops over the step's sequences on the host (.tolist())" for op in STATE_OPS.values()},
 }
 _SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int})
 

@@ -9,6 +9,10 @@ are listed in a table; a new sequence whose tokens start with the same prefix ta
 A block whose ref count drops to zero keeps its key and content and waits, least recently used
 first, until a fresh block is needed and the free list is empty; only then is it evicted (its key
 dropped). With prefix caching off, nothing is keyed and blocks go straight back to the free list.
+
+A model with recurrent or convolution state also needs one state slot per running sequence
+(``num_state_slots``, see ``state_pool``): the manager hands those out beside the blocks. Its
+prefix caching must be off: a cached prefix has KV blocks but no state to resume from.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ class PrefixMatch:
 class BlockManager:
     """Hands out KV block ids ``0..num_blocks-1``; see the module docstring."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one token, got {num_blocks} x {block_size}")
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching cannot serve a model with state slots (a prefix comes without its state)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,6 +56,8 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.num_state_slots = num_state_slots
+        self._free_slots: deque[int] = deque(range(num_state_slots))
 
     # ---- capacity -------------------------------------------------------------------------------
 
@@ -100,6 +109,22 @@ class BlockManager:
         del self._by_key[self._key_of[block]]
         self._key_of[block] = None
         return block
+
+    # ---- state slots ----------------------------------------------------------------------------
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate_state_slot(self) -> int:
+        if not self._free_slots:
+            raise OutOfBlocks(f"all {self.num_state_slots} state slots are in use")
+        return self._free_slots.popleft()
+
+    def free_state_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_state_slots or slot in self._free_slots:
+            raise RuntimeError(f"state slot {slot} freed but not taken")
+        self._free_slots.append(slot)
 
     # ---- prefix reuse ---------------------------------------------------------------------------
 

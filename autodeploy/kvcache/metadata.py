@@ -15,6 +15,8 @@ block_table        [B, M]       KV blocks of each sequence, in order (-1 padded)
 slot_mapping       [T]          cache slot (block * block_size + offset) each token writes; -1 = skip
 logits_indices     [L]          indices into T of the tokens whose logits are returned: the last
                                 ``num_logits`` tokens of each chunk (1 by default, so L = B)
+state_slots        [B]          each sequence's slot in the state pool (models with recurrent or
+                                convolution state; -1: none, e.g. padding)
 =================  ===========  ==========================================================
 
 All integer tensors are int64, built in one pinned host buffer and copied to the device in one copy.
@@ -33,7 +35,8 @@ import numpy as np
 import torch
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
-METADATA_INPUTS = ("query_lens", "context_lens", "cu_seqlens", "block_table", "slot_mapping", "logits_indices")
+ATTENTION_INPUTS = ("query_lens", "context_lens", "cu_seqlens", "block_table", "slot_mapping")  # paged attention's
+METADATA_INPUTS = ATTENTION_INPUTS + ("logits_indices", "state_slots")
 GRAPH_INPUTS = TOKEN_INPUTS + METADATA_INPUTS
 
 
@@ -49,6 +52,7 @@ class SequenceChunk:
     context_len: int
     block_ids: tuple[int, ...]
     num_logits: int = 1
+    state_slot: int = -1  # the sequence's slot in the state pool (-1: the model has no state)
 
     @property
     def end(self) -> int:
@@ -96,6 +100,7 @@ class BatchMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     logits_indices: torch.Tensor
+    state_slots: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -238,7 +243,7 @@ class _Lengths:
 def _field_sizes(shape: "Padding", num_logits: int) -> dict[str, int]:
     t, s = shape.num_tokens, shape.num_seqs
     return {"input_ids": t, "position_ids": t, "query_lens": s, "context_lens": s, "cu_seqlens": s + 1,
-            "block_table": s * shape.max_blocks, "slot_mapping": t, "logits_indices": num_logits}
+            "block_table": s * shape.max_blocks, "slot_mapping": t, "logits_indices": num_logits, "state_slots": s}
 
 
 def _fill(out: np.ndarray, chunks: list[SequenceChunk], lens: _Lengths, block_size: int, shape: "Padding") -> None:
@@ -267,6 +272,7 @@ def _fill(out: np.ndarray, chunks: list[SequenceChunk], lens: _Lengths, block_si
     starts = np.where(lens.query > 0, cu[1 : n + 1] - lens.logits, 0)
     offsets = np.arange(lens.num_logits) - np.repeat(np.cumsum(lens.logits) - lens.logits, lens.logits)
     fields.seqs(np.repeat(starts, lens.logits) + offsets, lens.num_logits + shape.num_seqs - n, 0)
+    fields.seqs(np.fromiter((c.state_slot for c in chunks), np.int64, n), shape.num_seqs, -1)
 
 
 def _decode_only(chunks: list[SequenceChunk]) -> bool:
@@ -301,6 +307,7 @@ def _fill_decode(out: np.ndarray, chunks: list[SequenceChunk], block_size: int, 
         + table + [-1] * (pad_s * m)
         + [c.block_ids[p // block_size] * block_size + p % block_size for c, p in zip(chunks, ctx)] + [-1] * pad_t
         + list(range(n)) + [0] * pad_s
+        + [c.state_slot for c in chunks] + [-1] * pad_s
     )
     out[: len(values)] = values
 

@@ -4,11 +4,14 @@ Each attention layer owns one tensor ``[num_blocks, 2, block_size, num_kv_heads,
 (K at index 0, V at index 1; FlashInfer's "NHD" paged layout). An MLA layer (``autodeploy.ops.mla``)
 caches one entry per token shared by all heads instead: ``[num_blocks, block_size, r + dr]``, the
 normalized latent (``kv_lora_rank`` r) then the rotary key (``qk_rope_head_dim`` dr). A cache slot is
-``block * block_size + offset``; the same block ids index every layer's tensor.
+``block * block_size + offset``; the same block ids index every layer's tensor. A model with
+recurrent or convolution state also has a :class:`~.state_pool.StatePool` (``state``), whose tensors
+the pool hands to the graph with its own.
 
 The dtype is the model's, or ``float8_e4m3fn`` for an FP8 KV cache (``CompileConfig.kv_cache_dtype``):
 one byte per element, so the same memory holds twice the tokens of a bf16 cache. Capacity counts
-bytes per element of the dtype.
+bytes per element of the dtype. The state pool keeps its own dtypes whatever the KV cache's
+(``insert_state_cache``: a convolution window in the model's dtype, SSM and delta-rule state in fp32).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+from .state_pool import StatePool
 
 # The Triton kernels address a layer's pool with 32-bit element offsets (page id x page stride in int32
 # keeps registers free in the key loop): a layer's tensor holds at most this many elements. A pool sized
@@ -101,15 +106,18 @@ def _name(dtype: torch.dtype) -> str:
 class KVPool:
     """Owns the cache tensors of all attention layers."""
 
-    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device | str):
+    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device | str,
+                 state: StatePool | None = None):
         self.specs = specs
+        self.state = state
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caches = [torch.zeros(s.shape(num_blocks, block_size), dtype=s.dtype, device=device) for s in specs]
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
-        """The cache inputs of the compiled graph: ``kv_cache_<layer>``."""
-        return {f"kv_cache_{i}": cache for i, cache in enumerate(self.caches)}
+        """The cache inputs of the compiled graph: ``kv_cache_<layer>`` (and ``state_cache_<op>``)."""
+        caches = {f"kv_cache_{i}": cache for i, cache in enumerate(self.caches)}
+        return caches if self.state is None else {**caches, **self.state.as_kwargs()}
 
     @staticmethod
     def describe_layout(specs: list[KVCacheSpec]) -> str:

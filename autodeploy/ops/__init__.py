@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers the ops)
     paged_attention_triton,
     quant_linear,
     rope,
+    state_ops,
 )
 
-__all__ = ["attention", "collectives", "fused_linear", "mla", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "quant_linear", "rope"]
+__all__ = ["attention", "collectives", "fused_linear", "mla", "mlp", "norm", "paged_attention", "paged_attention_flashinfer", "paged_attention_triton", "quant_linear", "rope", "state_ops"]

@@ -24,14 +24,21 @@ from .scheme import LinearFormat
 from .source import QUANTIZED_DTYPES, DequantizingSource, dequantize_module, stored_tensors
 
 
-def reference_model(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> torch.nn.Module:
+def _hf_eager(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """HF's own torch code: eager attention, no hub kernels (transformers 5.25 defaults to them for
+    Mamba-2 layers, and they are neither the reference nor reachable offline)."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                use_kernels=False).eval()
+
+
+def reference_model(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> torch.nn.Module:
     plan = read_quant_plan(model_dir, quantization)
     if plan is None or (plan.method.startswith("compressed-tensors") and _has_compressed_tensors()):
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+        return _hf_eager(model_dir, dtype)
     if plan.online:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+        model = _hf_eager(model_dir, dtype)
         quantize_linears_like_online(model, ONLINE_FORMATS[quantization])
         return model
     return dequantized_model(model_dir, dtype, plan.format)

@@ -58,7 +58,9 @@ def _steps(model, prompts: list[list[int]], decode_steps: int = 2, chunk: int = 
     while any(d < len(p) + decode_steps - 1 for d, p in zip(done, prompts)):
         active = [i for i in range(len(prompts)) if step >= i and done[i] < len(prompts[i]) + decode_steps - 1]
         step += 1
-        chunks = [SequenceChunk(tuple(tokens[i][done[i]: done[i] + chunk]), done[i], blocks[i]) for i in active]
+        slot = (lambda i: i) if model.num_state_slots else (lambda i: -1)  # a state model: a state slot each
+        chunks = [SequenceChunk(tuple(tokens[i][done[i]: done[i] + chunk]), done[i], blocks[i], state_slot=slot(i))
+                  for i in active]
         logits = yield chunks
         for row, (i, c) in enumerate(zip(active, chunks)):
             done[i] = c.end
@@ -71,34 +73,40 @@ def _eager(model, batch: BatchMetadata) -> torch.Tensor:
         return model.gm(**batch.as_kwargs(), **model.pool.as_kwargs())
 
 
+def _pool_tensors(model) -> list[torch.Tensor]:
+    """The KV caches and, for a model with state, the state pool's tensors."""
+    return [*model.pool.caches, *(model.pool.state.states if model.pool.state is not None else ())]
+
+
 def _run_compared(model, chunks):
     """The piecewise step, checked against the eager graph on the padded and on the unpadded step
-    (each from the same cache state); returns the piecewise logits, the cache left as it leaves it."""
-    caches = [c.clone() for c in model.pool.caches]
+    (each from the same cache and state); returns the piecewise logits, the pools left as it leaves them."""
+    caches = [c.clone() for c in _pool_tensors(model)]
     logits = model(chunks).clone()
-    after = [c.clone() for c in model.pool.caches]
+    after = [c.clone() for c in _pool_tensors(model)]
     runner = model.piecewise
     for batch, exact in ((runner.prepare(chunks, runner.padding(chunks)), True),
                          (BatchMetadata.build(chunks, model.block_size, "cpu"), False)):
-        for cache, saved in zip(model.pool.caches, caches):
+        for cache, saved in zip(_pool_tensors(model), caches):
             cache.copy_(saved)
         want = _eager(model, batch)
         if exact:
             assert torch.equal(logits, want)
-            assert all(torch.equal(c, a) for c, a in zip(model.pool.caches, after))
+            assert all(torch.equal(c, a) for c, a in zip(_pool_tensors(model), after))
         else:
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(logits.argmax(-1), want.argmax(-1))
-    for cache, saved in zip(model.pool.caches, after):
+    for cache, saved in zip(_pool_tensors(model), after):
         cache.copy_(saved)
     return logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe", "gpt_neox", "quantized"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe", "gpt_neox", "quantized", "nemotron_h"])
 def test_piecewise_steps_equal_the_eager_graph_bit_for_bit(compiled, arch):
     """gemma2: sliding window of 8 and softcaps; qwen3_moe: MoE run eagerly between pieces, q/k norms;
     gpt_neox: partial rotary, parallel residual, biases; quantized: compressed-tensors FP8 (dynamic
-    per-token activations)."""
+    per-token activations); nemotron_h: a Mamba-2 hybrid, its state ops eager between pieces (the
+    state pool compared too)."""
     model = compiled(arch)
     assert model.piecewise is not None and model.piecewise.sizes == SIZES
     steps = _steps(model, _streams(model.vocab_size))
@@ -129,6 +137,23 @@ def test_moe_runs_eagerly_between_pieces_and_decode_graphs_name_it(compiled):
     assert sum("moe reads the routed expert ids on the host" in r for r in reasons) == 2
     ctx = type("Ctx", (), {"gm": model.gm})
     assert _host_sync(ctx).startswith("autodeploy.moe.default (model.layers.0.mlp")
+
+
+def test_state_ops_run_eagerly_between_pieces_and_decode_graphs_name_them(compiled):
+    """The state ops loop over the step's sequences on the host: never inside a captured piece, and
+    no decode graph for the model (the pass table says which op stopped it)."""
+    from autodeploy.passes.compile_cuda_graphs import _host_sync
+
+    model = compiled("nemotron_h")
+    split = model.piecewise.split
+    for op in ("causal_conv1d_cached", "ssm_scan_cached"):
+        assert sum(f"{op} loops over the step's sequences on the host" in r for r in split.reasons.values()) == 1
+    captured = [getattr(split.outer, name).module for name in split.captured]  # (each wrapped as a _Piece)
+    targets = {str(n.target) for piece in captured for n in piece.graph.nodes}
+    assert any(t.startswith("aten.") for t in targets)  # (the pieces do hold the rest)
+    assert not any(t.startswith("autodeploy.") and "_cached" in t for t in targets)
+    ctx = type("Ctx", (), {"gm": model.gm})
+    assert _host_sync(ctx).startswith("autodeploy.causal_conv1d_cached.default (model.layers.0.mixer")
 
 
 def test_padding_rows_write_no_cache_slot(compiled):

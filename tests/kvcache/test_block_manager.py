@@ -100,3 +100,20 @@ def test_prefix_caching_off_never_matches():
     assert bm.prefix_queries == 0
     bm.free(blocks)
     assert bm.num_free == 8
+
+
+def test_state_slots_are_handed_out_once_and_taken_back():
+    manager = BlockManager(4, 2, enable_prefix_caching=False, num_state_slots=2)
+    first, second = manager.allocate_state_slot(), manager.allocate_state_slot()
+    assert {first, second} == {0, 1} and manager.num_free_state_slots == 0
+    with pytest.raises(OutOfBlocks, match="all 2 state slots"):
+        manager.allocate_state_slot()
+    manager.free_state_slot(first)
+    with pytest.raises(RuntimeError, match="freed but not taken"):
+        manager.free_state_slot(first)
+    assert manager.allocate_state_slot() == first
+
+
+def test_prefix_caching_is_refused_with_state_slots():
+    with pytest.raises(ValueError, match="prefix caching cannot serve a model with state slots"):
+        BlockManager(4, 2, enable_prefix_caching=True, num_state_slots=1)
