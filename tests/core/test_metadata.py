@@ -44,9 +44,9 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_a_bf16_one():
     bf16, fp8 = KVCacheSpec(2, 8, torch.bfloat16), KVCacheSpec(2, 8, torch.float8_e4m3fn)
     budget = KVPool.bytes_per_block([bf16], 16) * 10
     assert KVPool.blocks_for_budget([fp8], 16, budget) == 2 * KVPool.blocks_for_budget([bf16], 16, budget) == 20
-    cap = KVCapacity(20, 16, 64, torch.float8_e4m3fn, torch.bfloat16)
+    cap = KVCapacity(20, 16, 64, dtype=torch.float8_e4m3fn, model_dtype=torch.bfloat16)
     assert cap.describe().startswith("KV cache (float8_e4m3fn, 2x the tokens of a bfloat16 cache in the same memory)")
-    assert KVCapacity(10, 16, 64, torch.bfloat16, torch.bfloat16).dtype_words() == "bfloat16"
+    assert KVCapacity(10, 16, 64, dtype=torch.bfloat16, model_dtype=torch.bfloat16).dtype_words() == "bfloat16"
 
 
 def test_padding_for_static_shapes_and_reused_buffers():
