@@ -96,10 +96,11 @@ def test_serving_section_measures_a_real_server(tmp_path):
     row = serving_bench.serving_row("tiny c2", runs[1].result, floor=1e-3, weights="fp32")
     assert row.seconds == runs[1].result.itl.p50_ms / 1e3 and row.tokens_per_s == runs[1].result.output_throughput
     assert row.passed is None and row.metrics["TTFT"]["p99"] == runs[1].result.ttft.p99_ms
-    steps = EngineSteps({1: (1.0, 1.0), 2: (1e9, 1e9)})  # a batch-2 step no server can be slower than
+    # a batch-1 step no server can match, a batch-2 step no server can be slower than
+    steps = EngineSteps({1: (1e-6, 1e-6), 2: (1e9, 1e9)})
     checks = {r.impl: r.passed for r in check_rows(runs, steps, plan.concurrencies, "tiny")}
     assert checks["check: >= 85% of engine b2 tok/s"] and checks["check: compiles after ready"]
-    assert checks["check: TPOT p50 ms within 5% of the bare step"] is False  # 1 ms: not on this CPU
+    assert checks["check: TPOT p50 ms within 5% of the bare step"] is False
     table = done_when_table(runs, steps, 2, [hooks[0].note])
     assert "c2 #2" in table and "batch-2 decode" in table and table.endswith("output_tok_s 12.5")
     url = (tmp_path / "out" / "url").read_text().strip()
