@@ -51,16 +51,10 @@ class InsertKVCache(Pass):
         backend = resolve_attention_backend(ctx.config.attention_backend, ctx.device)
         kv_format = kv_cache_format(ctx.config.kv_cache_dtype, ctx.checkpoint.path if ctx.checkpoint else None,
                                     ctx.dtype)
+        _check_layers(layers, backend, kv_format)
         attentions = [n for n in layers if n.target != _MLA]
-        for node in layers:
-            if node.target == _MLA:
-                mla_op_for(backend.name, node.name)
-                if kv_format.fp8:
-                    raise RuntimeError(f"{node.name}: an FP8 KV cache is not supported for MLA layers (their latent "
-                                       "cache); use --kv_cache_dtype auto")
-            else:
-                backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
         scales, scale_words = _kv_scales(ctx, kv_format, attentions)
+        scales_of = dict(zip(attentions, scales)) if scales else {}
         meta = {name: add_graph_input(gm, name, _example_metadata(name)) for name in METADATA_INPUTS}
         specs = []
         for layer, node in enumerate(layers):
@@ -71,8 +65,7 @@ class InsertKVCache(Pass):
             else:
                 spec = _spec(node, kv_format)
                 cache = add_graph_input(gm, f"kv_cache_{layer}", _example_cache(spec))
-                layer_scales = scales[attentions.index(node)] if scales else None
-                _replace(gm, node, cache, meta, layer, backend, layer_scales)
+                _replace(gm, node, cache, meta, layer, backend, scales_of.get(node))
             specs.append(spec)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -89,6 +82,18 @@ _CACHED_OPS = (torch.ops.autodeploy.attention.default, _MLA)
 _ATTENTION_ARGS = ("scale", "causal", "sliding_window", "logit_softcap", "sinks", "chunk_size", "alibi_slopes")
 _CARRIED = ("sliding_window", "logit_softcap", "sinks")  # always passed (None: off)
 _CARRIED_IF_USED = ("chunk_size", "alibi_slopes")  # passed only when used: other graphs stay as they were
+
+
+def _check_layers(layers: list[fx.Node], backend: AttentionBackend, kv_format: KVCacheFormat) -> None:
+    """Refuse, before the graph changes, a layer the backend or the cache dtype cannot serve."""
+    for node in layers:
+        if node.target != _MLA:
+            backend.check_layer(int(node.args[0].meta["val"].shape[-1]), _attention_kwargs(node), node.name)
+            continue
+        mla_op_for(backend.name, node.name)
+        if kv_format.fp8:
+            raise RuntimeError(f"{node.name}: an FP8 KV cache is not supported for MLA layers (their latent "
+                               "cache); use --kv_cache_dtype auto")
 
 
 def _attention_kwargs(node: fx.Node) -> dict:

@@ -56,3 +56,16 @@ def test_golden_mla(backend, dtype):
 def test_backends_without_an_mla_kernel_are_refused():
     with pytest.raises(ConfigError, match="attention backend 'flashinfer' has no MLA"):
         mla_op_for("flashinfer", "layer0")
+
+
+def test_an_fp8_kv_cache_is_refused_for_mla_layers_and_a_model_dtype_one_is_not():
+    from autodeploy.ops.attention_backends import resolve_attention_backend
+    from autodeploy.quantization.kv_cache import kv_cache_format
+    from passes.insert_kv_cache import _check_layers
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.autodeploy.mla.default, tuple(graph.placeholder(f"x{i}") for i in range(6)))
+    backend = resolve_attention_backend("torch", torch.device("cpu"))
+    _check_layers([node], backend, kv_cache_format("auto", None, torch.float32))
+    with pytest.raises(RuntimeError, match="FP8 KV cache is not supported for MLA layers"):
+        _check_layers([node], backend, kv_cache_format("fp8", None, torch.float32))
