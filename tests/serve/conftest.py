@@ -199,6 +199,8 @@ def settled_stats(engine, timeout: float = 10.0):
     while engine.stats().num_used_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
     return engine.stats()
+
+
 def chat_reply(client, stream: bool, **args):
     """A chat completion's first choice through the openai client, whole or streamed, as
     ``((content, [(id, name, arguments)], reasoning_content), finish_reason)``; a streamed one is rebuilt

@@ -110,3 +110,29 @@ def test_256_streams_with_random_aborts_lose_and_duplicate_nothing(compiled, tok
         assert reported == NUM_STREAMS
         assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
         assert server.state.engine.num_streams == 0 and server.state.engine.processor.num_requests == 0
+
+
+def test_a_model_with_recurrent_state_serves_the_same_tokens_across_the_process_boundary(tokenizer, tmp_path):
+    """nemotron_h (Mamba-2 state slots beside the KV blocks): a greedy completion, whole and streamed, from the
+    engine in its own process equals the engine on a thread, a second time too (the slot starts clean), and
+    every block comes back."""
+    import autodeploy
+    from autodeploy.tiny import make_tiny_checkpoint
+    from conftest import VOCAB_SIZE
+
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "nemotron_h", vocab_size=VOCAB_SIZE)
+    model = autodeploy.compile(path, device="cpu", dtype="float32", max_batch_size=4, max_num_tokens=64,
+                               max_seq_len=96, num_kv_blocks=64, tokens_per_block=8)
+    body = {"prompt": "the capital of France is", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    texts = {}
+    for mode in (False, True):
+        with serving(model, tokenizer, engine_process=mode) as server:
+            whole = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                     for _ in range(2)]
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            streamed = "".join(c["choices"][0]["text"] for c in chunks)
+            assert whole[0] == whole[1] == streamed
+            texts[mode] = streamed
+            assert settled_stats(server.state.engine).num_used_blocks == 0
+    assert texts[True] == texts[False]
