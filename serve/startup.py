@@ -171,7 +171,9 @@ def load_model(model_dir: str, settings: ServeSettings, compile_options: dict[st
     else:
         loaded = _load_here(model_dir, settings, compile_options, url, timeline)
     defaults = load_sampling_defaults(settings.generation_config, loaded.model_dir, settings.override_generation_config)
-    return dataclasses.replace(loaded, sampling_defaults=defaults)
+    seed = f"; seed {settings.seed}" if settings.seed is not None else ""
+    report = f"{loaded.report}\ndefaults     {defaults.describe()}{seed}"
+    return dataclasses.replace(loaded, sampling_defaults=defaults, report=report)
 
 
 def _load_here(model_dir: str, settings: ServeSettings, compile_options: dict[str, Any], url: str,
@@ -197,7 +199,6 @@ def build_engine(model_dir: str, settings: ServeSettings, compile_options: dict[
     import torch
 
     from .engine import Engine
-    from .generation_config import load_sampling_defaults
     from .tokenizer import load_tokenizer
     from .warmup import warm_up_engine
 
@@ -216,8 +217,7 @@ def build_engine(model_dir: str, settings: ServeSettings, compile_options: dict[
         warmed = warm_up_engine(engine).summary()
     if settings.seed is not None:  # the generator of requests without their own seed (every device's)
         torch.manual_seed(settings.seed)
-    defaults = load_sampling_defaults(settings.generation_config, model.model_dir, settings.override_generation_config)
-    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer, defaults)
+    report = startup_report(model, engine, settings, url, time.perf_counter() - start, tokenizer)
     return EngineParts(engine, report + (f"\nwarm-up      {warmed}" if warmed else ""), workers)
 
 
@@ -247,8 +247,7 @@ def _start_workers(model_dir: str, compile_options: dict[str, Any]):
     return TensorParallelWorkers.start(model_dir, compile_options, level)
 
 
-def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer,
-                   defaults=None) -> str:
+def startup_report(model, engine, settings: ServeSettings, url: str, seconds: float, tokenizer) -> str:
     report = model.report
     cap = model.capacity
     lines = [
@@ -265,7 +264,6 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         + (" (the model has recurrent state)" if model.num_state_slots else ""),
         f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
-        f"defaults     {defaults.describe() if defaults else 'none'}" + (f"; seed {settings.seed}" if settings.seed is not None else ""),
         f"serving      {', '.join(settings.served_model_name or ())} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
