@@ -17,9 +17,10 @@ The torch reference (the CPU path; see ``autodeploy.quantization.numerics``) deq
 to fp32, fake-quantizes the activations as the format says, multiplies in fp32, adds the bias and
 rounds to x's dtype once. On CUDA (``quant_kernel``): up to ``QUANT_GEMV_MAX_ROWS`` rows take the
 weight-only GEMV of ``kernels/quant_gemv.py`` (activations are NOT rounded to FP8 there: decode is
-bound by the weight stream, and skipping the rounding only removes error); more rows take the FP8
-GEMM of ``kernels/quant_gemm.py`` (activations quantized as above), except FP8 weight-only, which
-takes the weight-only tensor-core GEMM there (``fp8_weight_only_gemm``: x times the dequantized tiles).
+bound by the weight stream, and skipping the rounding only removes error); FP8 up to
+``FP8_WEIGHT_ONLY_MAX_ROWS`` rows (and FP8 weight-only at any rows) the weight-only tensor-core GEMM of
+``kernels/quant_gemm.py`` (``fp8_weight_only_gemm``: x times the dequantized tiles, likewise unrounded);
+more rows the FP8 GEMM there (activations quantized as above), NVFP4 its weight-only GEMM.
 
 Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
 <linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
@@ -40,15 +41,21 @@ from .norm import fused_add_rms_norm, rms_norm
 
 # the agreed boundary of the quantized GEMV kernels (batch-1..4 decode); 0 sends every call to the GEMM
 QUANT_GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_MAX_ROWS", "4"))
+# up to this many rows FP8 takes the weight-only tensor-core GEMM (split-K, no activation quantizer launch):
+# at 16 rows it ran the 8B layer's linears in 108 us against 119 us for fp8_gemm with its quantizer (H100,
+# 2026-12-07); beyond, the FP8 x FP8 GEMM's halved operand bytes and faster MMA win
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 
 def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none") -> str:
-    """Which implementation a quantized linear of ``rows`` rows runs: ``gemv``, ``gemm`` or
-    ``reference`` (module doc)."""
+    """Which implementation a quantized linear of ``rows`` rows runs: ``gemv``, ``weight_only`` (FP8
+    weight-only tensor-core GEMM), ``gemm`` or ``reference`` (module doc)."""
     if not on_gpu:
         return "reference"
     if rows <= QUANT_GEMV_MAX_ROWS:
         return "gemv"
+    if kind == "fp8" and (activations == "none" or rows <= FP8_WEIGHT_ONLY_MAX_ROWS):
+        return "weight_only"
     return "gemm"
 
 
@@ -86,7 +93,7 @@ def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) ->
         from ..kernels.quant_gemv import fp8_gemv
 
         out = fp8_gemv(_rows(x), weight, weight_scale, block_size=block, bias=bias)
-    elif activations == "none":
+    elif path == "weight_only":
         from ..kernels.quant_gemm import fp8_weight_only_gemm
 
         out = fp8_weight_only_gemm(_rows(x), weight, weight_scale, block_size=block, bias=bias)

@@ -154,8 +154,41 @@ def test_nvfp4_gemm_refuses_bad_inputs():
         nvfp4_gemm(torch.randn(2, 32), packed, scale, torch.ones(1, dtype=torch.float16))
 
 
+SPLIT = GemmLaunch(block_m=16, block_n=16, block_k=32, num_stages=1, group_m=2, split_k=3)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_split_k_gemms_match_their_references(kind):
+    """K = 80 in three splits of one 32-column tile each, the last one partial: every kind of scale, the
+    bias added once (in the reduction), the quantized and the weight-only GEMM."""
+    m, n, k = 20, 40, 80
+    weight = fp8_weight(n, k)
+    scale, block = fp8_scale(kind, n, k)
+    x = torch.randn(m, k, dtype=torch.float16)
+    check_with_and_without_bias(lambda b: fp8_gemm(x, weight, scale, None, block, b, launch=SPLIT),
+                                lambda b: ref.fp8_linear_reference(x, weight, scale, None, block, b), x, n)
+    check_with_and_without_bias(lambda b: fp8_weight_only_gemm(x, weight, scale, block, b, launch=SPLIT),
+                                lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
+
+
+def test_split_k_nvfp4_gemm_and_more_splits_than_k_tiles():
+    n, k = 40, 64  # two K tiles of 32 over three splits: the last split has no work and writes zeros
+    packed, scale, scale_2 = nvfp4_weight(n, k)
+    x = torch.randn(5, k, dtype=torch.float16)
+    check_with_and_without_bias(lambda b: nvfp4_gemm(x, packed, scale, scale_2, b, launch=SPLIT),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
+
+
 def test_launches_by_rows():
     assert GemmLaunch.choose(1).block_m == 16 and GemmLaunch.choose(64).block_m == 64
     assert GemmLaunch.choose(1, 4096).block_n == 32 and GemmLaunch.choose(1, 28672).block_n == 64
     assert (GemmLaunch.choose(4096).block_m, GemmLaunch.choose(4096).block_n) == (128, 128)
     assert (GemmLaunch.choose(4096, block_scaled=True).block_m, GemmLaunch.choose(4096).num_warps) == (64, 8)
+
+
+def test_split_k_where_the_tiles_leave_the_gpu_idle():
+    splits = {(m, n, k): GemmLaunch.choose(m, n, k=k).split_k
+              for m, n, k in [(64, 4096, 14336), (64, 28672, 4096), (64, 6144, 4096), (16, 6144, 4096), (16, 4096, 512),
+                              (128, 4096, 4096)]}
+    assert splits == {(64, 4096, 14336): 4, (64, 28672, 4096): 1, (64, 6144, 4096): 4, (16, 6144, 4096): 2,
+                      (16, 4096, 512): 1, (128, 4096, 4096): 1}

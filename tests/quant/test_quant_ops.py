@@ -103,8 +103,9 @@ def test_fakes_give_output_shapes_and_dtypes():
 
 
 @pytest.mark.parametrize("rows, on_gpu, kind, activations, path", [
-    (1, False, "fp8", "token", "reference"), (4, True, "fp8", "static", "gemv"), (5, True, "fp8", "token", "gemm"),
-    (5, True, "fp8", "none", "gemm"), (1, True, "nvfp4", "none", "gemv"), (64, True, "nvfp4", "none", "gemm"),
+    (1, False, "fp8", "token", "reference"), (4, True, "fp8", "static", "gemv"),
+    (5, True, "fp8", "token", "weight_only"), (16, True, "fp8", "static", "weight_only"), (17, True, "fp8", "token", "gemm"),
+    (64, True, "fp8", "none", "weight_only"), (1, True, "nvfp4", "none", "gemv"), (64, True, "nvfp4", "none", "gemm"),
 ])
 def test_kernel_choice(rows, on_gpu, kind, activations, path):
     assert ql.quant_kernel(rows, on_gpu, kind, activations) == path
@@ -139,7 +140,7 @@ def kernels(monkeypatch):
 
 
 def test_cuda_dispatch_calls_the_agreed_signatures(kernels):
-    x = torch.randn(2, 3, 64)
+    x = torch.randn(2, 12, 64)
     q, ws, block = _fp8_weight("block")
     bias = torch.randn(48)
     out = ql._fp8(x[:, :1], q, ws, None, bias, block, "group")  # 2 rows: the GEMV, block size as a tuple
@@ -147,14 +148,16 @@ def test_cuda_dispatch_calls_the_agreed_signatures(kernels):
     assert name == "fp8_gemv" and args[0].shape == (2, 64) and kwargs == {"block_size": (16, 32), "bias": bias}
     assert out.shape == (2, 1, 48)
     q, ws, _ = _fp8_weight("tensor")
-    out = ql._fp8(x, q, ws, torch.tensor(0.5), None, None, "static")  # 6 rows: the GEMM, static input scale
+    out = ql._fp8(x, q, ws, torch.tensor(0.5), None, None, "static")  # 24 rows: the GEMM, static input scale
     name, args, kwargs = kernels[-1]
-    assert name == "fp8_gemm" and args[0].shape == (6, 64) and torch.equal(kwargs["input_scale"], torch.tensor(0.5))
+    assert name == "fp8_gemm" and args[0].shape == (24, 64) and torch.equal(kwargs["input_scale"], torch.tensor(0.5))
     torch.testing.assert_close(out, ql.fp8_linear_reference(x, q, ws, torch.tensor(0.5), None, None, "static"))
     ql._fp8(x, q, ws, None, None, None, "token")
     assert kernels[-1][0] == "fp8_gemm" and kernels[-1][2]["input_scale"] is None  # dynamic: no scale given
-    ql._fp8(x, q, ws, None, None, None, "none")  # FP8 weight-only at 6 rows: the weight-only tensor-core GEMM
-    assert kernels[-1][0] == "fp8_weight_only_gemm" and len(kernels) == 4
+    ql._fp8(x, q, ws, None, None, None, "none")  # FP8 weight-only at any rows: the weight-only tensor-core GEMM
+    assert kernels[-1][0] == "fp8_weight_only_gemm"
+    ql._fp8(x[:, :3], q, ws, None, None, None, "token")  # 6 rows: weight-only too (no quantizer launch)
+    assert kernels[-1][0] == "fp8_weight_only_gemm" and kernels[-1][1][0].shape == (6, 64) and len(kernels) == 5
 
 
 def test_cuda_dispatch_of_nvfp4_with_per_row_global_scales(kernels):
