@@ -133,7 +133,10 @@ def fp8_quantize_reference(x: torch.Tensor, scale: torch.Tensor | None = None,
     if scale is not None:
         return _to_e4m3(xf / scale.float().reshape(())), scale
     groups = _column_groups(xf, group_size or x.shape[-1])
-    found = groups.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    amax = groups.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
+    # a tensor divisor: on CUDA torch divides by a Python scalar as a multiplication by its reciprocal,
+    # one ulp off the IEEE quotient the kernels compute (div_rn) for about half the rows (H100, 2026-12-07)
+    found = amax / torch.full_like(amax, FP8_MAX)
     return _to_e4m3(groups / found).flatten(-2)[..., :x.shape[-1]], found.squeeze(-1)
 
 
