@@ -59,7 +59,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # use only this many of the model's KV blocks
     overlap: bool | None = None  # default: on for CUDA, off on the CPU
-    freeze_gc: bool | None = None  # default: on for CUDA (see _freeze_long_lived_objects)
+    freeze_gc: bool | None = None  # default: on for CUDA (see freeze_long_lived_objects)
     # structured outputs: compile grammars in a worker process under this deadline (None: here, unbounded)
     grammar_compile_timeout: float | None = None
 
@@ -106,7 +106,7 @@ class Engine:
         self.runner = ModelRunner(model, Sampler(model.vocab_size, model.device, self.structured))
         self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
         if config.freeze_gc if config.freeze_gc is not None else model.device.type == "cuda":
-            _freeze_long_lived_objects()
+            freeze_long_lived_objects()
         self.max_total_tokens = min(model.max_seq_len, num_blocks * model.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._in_flight: PendingStep | None = None  # launched, its tokens not yet on the host (overlap)
@@ -451,11 +451,13 @@ def _from_first_token(chunk: ScheduledChunk) -> ScheduledChunk:
     return ScheduledChunk(chunk.seq, 0, chunk.end, chunk.end if chunk.seq.wants_prompt_logprobs else chunk.num_logits)
 
 
-def _freeze_long_lived_objects() -> None:
+def freeze_long_lived_objects() -> None:
     """Take everything alive now (the compiled graph's nodes, imported modules, the tokenizer) out
     of the garbage collector's scans. Its full collections walk every tracked object; with those
     they took ~30% of the host's time per step at 490 sequences (``bench/probes/engine_host.py``), and
-    the step waits for them. What the engine allocates from now on is collected as usual."""
+    the step waits for them; in the API process of a split server one stalled the event loop 193 ms
+    in the first load after start-up (8B, H100, 2026-12-07). What is allocated from now on is
+    collected as usual."""
     gc.collect()
     gc.freeze()
 
