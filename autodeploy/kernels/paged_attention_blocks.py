@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import trace
-from .quant_gemm import round_to_e4m3
+from .fp8_quantize import round_to_e4m3
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Masking of a key block's scores (constexpr): none (every row sees every key), only keys past the

@@ -1,17 +1,15 @@
-"""Linear layers of any number of rows on FP8 or NVFP4 weights, and the FP8 activation quantizer.
+"""Linear layers of any number of rows on FP8 or NVFP4 weights.
 
-- ``fp8_quantize``: x -> (e4m3 x, scale), static per tensor, dynamic per token or per 1 x g group.
-  Values are rounded to the e4m3 grid in fp32 (``round_to_e4m3``) before the cast, so the cast is
-  exact: the same bytes as torch's ``.to(float8_e4m3fn)`` on the GPU and in Triton's interpreter
-  (whose own fp32 -> fp8 rounding carries into the exponent wrongly), and divisions are IEEE
-  (``div_rn``; Triton's ``/`` is an approximate division).
-- ``fp8_gemm``: activations quantized (static with ``input_scale``, else dynamic per token), then a
+- ``fp8_gemm``: activations quantized (``fp8_quantize.py``: static with ``input_scale``, else dynamic per
+  token), then a
   per-tensor / per-channel FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt per tensor; rowwise scales
   on sm_89+) where it takes the shapes, a Triton tensor-core GEMM otherwise; block-scaled weights
   (``block_size=(bn, bk)``, DeepSeek-V3 / Qwen3) with activations per 1 x bk group through the
   Triton GEMM, which applies each K block's scales to that block's partial product (torch 2.9+ has
   blockwise ``_scaled_mm`` on sm_90 with cuBLAS 12.9; ``backend="scaled_mm"`` uses it where it fits,
-  the benchmark compares both).
+  the benchmark compares both). ``fp8_gemm_quantized`` takes activations quantized already (by
+  ``norm_quantize.py``, fused into the step before the linear). Up to 64 rows the GEMMs split K
+  (``GemmLaunch.split_k``) where the output tiles alone would leave SMs idle.
 - ``nvfp4_gemm`` and ``fp8_weight_only_gemm``: weight-only, x stays in bf16/fp16; each weight tile
   is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``quant_gemv.nvfp4_block_dequantize``,
   exact in fp16 and bf16) and multiplied on the tensor cores, one kernel for both
@@ -28,127 +26,15 @@ import triton
 import triton.language as tl
 
 from . import quant_reference as ref
+from .fp8_quantize import fp8_quantize  # noqa: F401  (also this module's: the quantizer of fp8_gemm)
 from .quant_gemv import FP8, ScaleLayout, WeightFormat, e2m1_ptx, nvfp4_block_dequantize
 
-MIN_AMAX = tl.constexpr(ref.MIN_AMAX)
-FP8_MAX = tl.constexpr(ref.FP8_MAX)
 BACKENDS = ("auto", "triton", "scaled_mm")
 # up to this many rows the split-K Triton GEMM beats cuBLASLt's rowwise FP8 GEMM, whose 128 x 128 tiles leave
 # SMs idle at decode batches (64 rows, the 8B shapes, H100 2026-12-07: qkv + o + gate_up + down per layer
 # 132 us against 146 us, the down projection 41.6 against 53.3)
 SCALED_MM_MIN_ROWS = 64
-MAX_GROUP = 8192  # a group is one tile of the quantizer
 
-
-# ----------------------------------------------------------------------------- activation quantizer
-
-
-@triton.jit
-def round_to_e4m3(v):
-    """fp32 ``v`` clamped to +-448 and rounded to the nearest e4m3 value (ties to even), as fp32: the
-    magnitude over its quantum 2**(e - 3) (e: v's exponent, at least e4m3's smallest normal -6) is
-    below 16, where adding and subtracting 1.5 * 2**23 rounds to an integer."""
-    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    inverse_quantum = ((130 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
-    quantum = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
-    rounded = ((tl.abs(v) * inverse_quantum + 12582912.0) - 12582912.0) * quantum
-    # the sign put back bitwise: -x in Triton is 0 - x, which turns -0.0 into +0.0
-    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3(x, scale):
-    return round_to_e4m3(tl.math.div_rn(x, scale)).to(tl.float8e4nv)
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """One row: its amax (unless ``STATIC``), its scale, its e4m3 values."""
-    row = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK)
-    if STATIC:
-        scale = tl.load(scale_ptr)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_xm + k0 + lanes, mask=k0 + lanes < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX), FP8_MAX)
-        tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + lanes, mask=k0 + lanes < K, other=0.0)
-        tl.store(q_ptr + row * stride_qm + k0 + lanes, _e4m3(x.to(tl.float32), scale), mask=k0 + lanes < K)
-
-
-@triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, group_size, stride_xm, stride_qm, stride_sm,
-                            stride_sg, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``BLOCK_G`` groups of one row: each group's amax, scale and e4m3 values."""
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    lanes = tl.arange(0, GROUP_PAD)
-    ks = groups[:, None] * group_size + lanes[None, :]
-    mask = (lanes < group_size)[None, :] & (ks < K)  # the last group may be short
-    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), FP8_MAX)
-    tl.store(scale_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * group_size < K)
-    tl.store(q_ptr + row * stride_qm + ks, _e4m3(x, scale[:, None]), mask=mask)
-
-
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | None = None,
-                 group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_fp8, scale)`` with ``x ~ x_fp8 * scale``, e4m3 saturating, for x [..., K] (bf16/fp16/fp32).
-
-    ``scale`` given (one fp32 value): static per tensor, returned as is. Otherwise dynamic: per token
-    (scale [..., 1]) or, with ``group_size``, per group of that many columns (scale [..., ceil(K / g)],
-    the last group the columns left; column-major in memory as cuBLASLt's blockwise scaling wants it).
-    """
-    k = x.shape[-1]
-    ref.check_activations(x, k, "fp8_quantize")
-    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1):
-        raise ValueError(f"fp8_quantize: a static scale must be one float32 value, got {scale.dtype} of "
-                         f"shape {tuple(scale.shape)}")
-    if group_size is not None and (scale is not None or not 1 <= group_size <= MAX_GROUP):
-        raise ValueError(f"fp8_quantize: group_size must be 1 to {MAX_GROUP} columns, and scale None; got "
-                         f"group_size={group_size}, scale={scale}")
-    rows = x.reshape(-1, k)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    if group_size is not None:
-        found = _quantize_groups(rows, q, group_size)
-        return q.view(x.shape), found.view(*x.shape[:-1], found.shape[1])
-    if scale is not None:
-        _quantize_rows(rows, q, scale.reshape(1), static=True)
-        return q.view(x.shape), scale
-    found = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
-    _quantize_rows(rows, q, found, static=False)
-    return q.view(x.shape), found.view(*x.shape[:-1], 1)
-
-
-def _quantize_rows(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, static: bool) -> None:
-    (m, k), block = rows.shape, min(4096, triton.next_power_of_2(rows.shape[1]))
-    if m and k:
-        _quantize_rows_kernel[(m,)](rows, q, scale, k, rows.stride(0), q.stride(0), STATIC=static,
-                                    BLOCK=block, num_warps=4)
-
-
-def _quantize_groups(rows: torch.Tensor, q: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The scales [M, ceil(K / g)], column-major."""
-    (m, k), groups = rows.shape, triton.cdiv(rows.shape[1], group_size)
-    found = torch.empty((groups, m), dtype=torch.float32, device=rows.device).t()
-    group_pad = triton.next_power_of_2(group_size)
-    block_g = max(1, min(triton.next_power_of_2(groups), 2048 // group_pad))
-    if m and groups:
-        _quantize_groups_kernel[(m, triton.cdiv(groups, block_g))](
-            rows, q, found, k, group_size, rows.stride(0), q.stride(0), found.stride(0), found.stride(1),
-            GROUP_PAD=group_pad, BLOCK_G=block_g, num_warps=4)
-    return found
-
-
-# ----------------------------------------------------------------------------- GEMMs
 
 
 @dataclass(frozen=True)
@@ -367,24 +253,48 @@ def fp8_gemm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     n, k = weight_fp8.shape
     ref.check_activations(x, k, "fp8_gemm")
     ref.check_bias(bias, n, "fp8_gemm")
-    if backend not in BACKENDS:
+    if backend not in BACKENDS:  # before the quantizer runs
         raise ValueError(f"fp8_gemm: backend must be one of {BACKENDS}, got {backend!r}")
     if input_scale is not None and kind == "block":
         raise ValueError("fp8_gemm: block-scaled weights take activations quantized per 1 x bk group; "
                          "input_scale must be None")
     rows = x.reshape(-1, k)
-    auto_scaled_mm = (backend == "auto" and kind != "block" and rows.shape[0] > SCALED_MM_MIN_ROWS
-                      and _scaled_mm_fits(x, n, k))
-    use_scaled_mm = backend == "scaled_mm" or auto_scaled_mm
-    if not use_scaled_mm:
-        launch = _gemm_launch(rows.shape[0], n, k, kind, block_size, launch)
     x_fp8, x_scale = fp8_quantize(rows, input_scale, int(block_size[1]) if kind == "block" else None)
-    if use_scaled_mm:
-        out = _scaled_mm(x_fp8, x_scale, weight_fp8, weight_scale, kind, bias, x.dtype)
-    else:
-        out = _fp8_gemm_triton(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, x.dtype,
-                               launch)
+    out = _fp8_gemm_of_quantized(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, x.dtype, backend,
+                                 launch)
     return out.view(*x.shape[:-1], n)
+
+
+def fp8_gemm_quantized(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight_fp8: torch.Tensor,
+                       weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *, out_dtype: torch.dtype,
+                       backend: str = "auto", launch: GemmLaunch | None = None) -> torch.Tensor:
+    """``fp8_gemm`` of activations quantized already (``norm_quantize``: the step before the linear and
+    the quantizer in one kernel): ``x_fp8`` [M, K] e4m3, ``x_scale`` [M, 1] per token or one static fp32
+    value; per-tensor or per-channel weight scales. [M, N] in ``out_dtype``."""
+    kind = ref.fp8_scale_kind(weight_fp8, weight_scale, None, "fp8_gemm_quantized")
+    n, k = weight_fp8.shape
+    ref.check_bias(bias, n, "fp8_gemm_quantized")
+    if x_fp8.dtype != torch.float8_e4m3fn or x_fp8.dim() != 2 or x_fp8.shape[1] != k:
+        raise ValueError(f"fp8_gemm_quantized: x_fp8 must be float8_e4m3fn [M, {k}], got {x_fp8.dtype} "
+                         f"{tuple(x_fp8.shape)}")
+    if x_scale.numel() not in (1, x_fp8.shape[0]) or x_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_gemm_quantized: x_scale must be fp32, one value or one per row; got {x_scale.dtype} "
+                         f"{tuple(x_scale.shape)} for {x_fp8.shape[0]} rows")
+    return _fp8_gemm_of_quantized(x_fp8, x_scale, weight_fp8, weight_scale, kind, None, bias, out_dtype, backend,
+                                  launch)
+
+
+def _fp8_gemm_of_quantized(x_fp8, x_scale, weight_fp8, weight_scale, kind: str, block_size, bias, out_dtype,
+                           backend: str, launch: GemmLaunch | None) -> torch.Tensor:
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_gemm: backend must be one of {BACKENDS}, got {backend!r}")
+    (m, k), n = x_fp8.shape, weight_fp8.shape[0]
+    auto_scaled_mm = (backend == "auto" and kind != "block" and m > SCALED_MM_MIN_ROWS
+                      and _scaled_mm_fits(x_fp8, out_dtype, n, k))
+    if backend == "scaled_mm" or auto_scaled_mm:
+        return _scaled_mm(x_fp8, x_scale, weight_fp8, weight_scale, kind, bias, out_dtype)
+    launch = _gemm_launch(m, n, k, kind, block_size, launch)
+    return _fp8_gemm_triton(x_fp8, x_scale, weight_fp8, weight_scale, kind, block_size, bias, out_dtype, launch)
 
 
 def _gemm_launch(m: int, n: int, k: int, kind: str, block_size, launch: GemmLaunch | None,
@@ -403,10 +313,10 @@ def _gemm_launch(m: int, n: int, k: int, kind: str, block_size, launch: GemmLaun
     return launch
 
 
-def _scaled_mm_fits(x: torch.Tensor, n: int, k: int) -> bool:
+def _scaled_mm_fits(x: torch.Tensor, out_dtype: torch.dtype, n: int, k: int) -> bool:
     """Where ``torch._scaled_mm`` takes the GEMM: CUDA sm_89+, bf16 output (its rowwise kernel's
     dtype on every torch we allow), K and N multiples of 16."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+    return (x.is_cuda and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 

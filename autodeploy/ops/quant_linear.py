@@ -105,6 +105,26 @@ def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) ->
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _quantizes_in_the_step(x: torch.Tensor, activations: str, block_size) -> bool:
+    """Whether a fused op's norm / activation runs with the activation quantizer in one kernel
+    (``kernels/norm_quantize.py``): the call takes the FP8 GEMM, its activations per token or static."""
+    rows = x.numel() // x.shape[-1]
+    return (quant_kernel(rows, use_triton(x), "fp8", activations) == "gemm" and activations in ("token", "static")
+            and not block_size)
+
+
+def _fp8_of_quantized(q, scale, out_dtype, weight, weight_scale, bias) -> torch.Tensor:
+    from ..kernels.quant_gemm import fp8_gemm_quantized
+
+    out = fp8_gemm_quantized(q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1) if scale.dim() else scale, weight,
+                             weight_scale, bias, out_dtype=out_dtype)
+    return out.reshape(*q.shape[:-1], weight.shape[0])
+
+
+def _static(input_scale, activations: str):
+    return input_scale if activations == "static" else None
+
+
 def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
     if path == "reference":
@@ -149,6 +169,11 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
+    if _quantizes_in_the_step(x, activations, block_size):
+        from ..kernels.norm_quantize import rms_norm_quantize
+
+        q, scale, _ = rms_norm_quantize(x, norm_weight, eps, _static(input_scale, activations))
+        return _fp8_of_quantized(q, scale, x.dtype, weight, weight_scale, bias)
     return _fp8(rms_norm(x, norm_weight, eps), weight, weight_scale, input_scale, bias, block_size, activations)
 
 
@@ -163,6 +188,11 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
+        from ..kernels.norm_quantize import rms_norm_quantize
+
+        q, scale, summed = rms_norm_quantize(x, norm_weight, eps, _static(input_scale, activations), residual)
+        return _fp8_of_quantized(q, scale, x.dtype, weight, weight_scale, bias), summed
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return _fp8(normed, weight, weight_scale, input_scale, bias, block_size, activations), summed
 
@@ -178,6 +208,11 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
+    if _quantizes_in_the_step(gate_up, activations, block_size):
+        from ..kernels.norm_quantize import act_mul_quantize
+
+        q, scale = act_mul_quantize(gate_up, activation, _static(input_scale, activations))
+        return _fp8_of_quantized(q, scale, gate_up.dtype, weight, weight_scale, bias)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = gated_activation(gate, up, activation)
     return _fp8(hidden, weight, weight_scale, input_scale, bias, block_size, activations)
