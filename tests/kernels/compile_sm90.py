@@ -51,7 +51,7 @@ from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVE
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale"}
-DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes"}  # hidden / intermediate sizes: multiples of 16 in every real model
+DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes"}  # hidden / intermediate sizes: multiples of 16 in real models
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
