@@ -50,7 +50,7 @@ from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVE
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale"}
+FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale", "out_factor"}
 DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes"}  # hidden / intermediate sizes: multiples of 16 in real models
 
 
@@ -228,7 +228,7 @@ def _quant_variants():
         name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
-    def gemm_variant(fmt, rows, block_scaled=False):
+    def gemm_variant(fmt, rows, block_scaled=False, split=1):
         launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
         tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m,
                      BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
@@ -241,7 +241,10 @@ def _quant_variants():
                         "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
             kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
             const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
-        name = f"{name} {rows} rows{' block' if block_scaled else ''}"
+        if "SPLIT_K" in kernel.arg_names:  # split-K GEMMs: each split's fp32 partial where K is split
+            pointers["partial_ptr"] = "*fp32" if split > 1 else "*bf16"
+            const = dict(const, SPLIT_K=split)
+        name = f"{name} {rows} rows{' block' if block_scaled else ''}{f' split {split}' if split > 1 else ''}"
         return name, kernel, pointers, const, launch.num_warps, launch.num_stages
 
     for fmt in qg.WeightFormat:
@@ -253,6 +256,11 @@ def _quant_variants():
         for fmt in (None, qg.WeightFormat.FP8):
             yield gemm_variant(fmt, rows)
             yield gemm_variant(fmt, rows, block_scaled=True)
+    if "SPLIT_K" in qm._fp8_gemm_kernel.arg_names:  # decode batches split K (GemmLaunch.choose: up to 4 ways)
+        for rows in (16, 64):
+            yield gemm_variant(None, rows, split=4)
+            yield gemm_variant(qg.WeightFormat.FP8, rows, split=4)
+            yield gemm_variant(qg.WeightFormat.NVFP4, rows, split=4)
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for static in (False, True):
         yield (f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize,
