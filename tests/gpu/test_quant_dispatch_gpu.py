@@ -54,8 +54,8 @@ def test_fp8_linear(name, rows):
     weight, scale = quantize(torch.randn(N, K, device="cuda") * 0.02)
     input_scale = None if input_scale is None else torch.tensor(input_scale, device="cuda")
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    gemv = ql.quant_kernel(rows, True, "fp8", "token") == "gemv"  # the GEMV keeps activations in bf16
-    want = ql.fp8_linear_reference(x, weight, scale, input_scale, None, block, "none" if gemv else acts)
+    unrounded = ql.quant_kernel(rows, True, "fp8", acts) != "gemm"  # the weight-only kernels keep x in bf16
+    want = ql.fp8_linear_reference(x, weight, scale, input_scale, None, block, "none" if unrounded else acts)
     check(lambda: ql._fp8(x, weight, scale, input_scale, None, block, acts), want)
 
 
