@@ -217,10 +217,11 @@ def bench_fp8_kv(report: Report) -> None:
         nbytes = attention_cost(seqs, kv_bytes=1)[0]
         batches = [paged_batch(seqs) for _ in range(sets_for(nbytes, cap=16))]
         pools = [fp8_pool(batch.cache) for batch in batches]
-        row = timed(Row(f"decode b={b} ctx={c} fp8 kv"),
-                    lambda i: lambda: batches[i].triton(cache=pools[i][0], k_scale=pools[i][1][0],
-                                                        v_scale=pools[i][1][1]), None, nbytes)
-        report.add(row)
+        def call(i: int):
+            batch, (pool, (k_scale, v_scale)) = batches[i % len(batches)], pools[i % len(batches)]
+            return lambda: batch.triton(cache=pool, k_scale=k_scale, v_scale=v_scale)
+
+        report.add(timed(Row(f"decode b={b} ctx={c} fp8 kv"), call, None, nbytes))
         del batches, pools
 
 
