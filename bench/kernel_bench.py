@@ -16,16 +16,13 @@ attention pair it replaces. Anchors (FlashInfer 0.6.6 on an H200): decode 64 x 4
 prefill 4 x 1024 413 TFLOP/s; ``--flashinfer`` times FlashInfer in the same run (JIT-compiles for minutes).
 The rows, the table and the timing live in ``gpu_harness.py``; the paged batches here are the GPU tests' too.
 
-    python bench/full_table.py --sections kernels    # < 3 minutes
-    python bench/kernel_bench.py [--flashinfer]      # the harness's own wider table (eager and torch columns)
+    python bench/full_table.py --sections kernels [--flashinfer]   # < 3 minutes; torch and eager times in the notes
 
 The decode launch-config sweeps and the per-program timeline: ``bench/probes/attention_sweeps.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -290,13 +287,3 @@ def add_options(group) -> None:
 def table_rows(args, header) -> Iterator[TableRow]:
     yield from suite_rows(run_all(args.flashinfer), header, "kernels")
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flashinfer", action="store_true", help="also time the FlashInfer backend")
-    print(run_all(parser.parse_args().flashinfer).table())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
