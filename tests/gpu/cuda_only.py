@@ -1,8 +1,11 @@
 """What the tests of this folder share: they need a CUDA device and Triton's real JIT. tests/conftest.py turns
 Triton's interpreter on unless told otherwise, so run them as
 
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests          # every gpu test of the project (~10 min)
-    TRITON_INTERPRET=0 python -m pytest -q -m "gpu and not slow" tests/gpu   # without the 8B compiles
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests                      # every gpu test of the project
+    TRITON_INTERPRET=0 python -m pytest -q -m "gpu and not slow" tests/gpu   # the kernels and ops (~4 min)
+    TRITON_INTERPRET=0 python -m pytest -q -m "gpu and slow" tests/gpu       # the models (~8 min)
+
+On a GPU machine with autodeploy installed by ``bench/run.sh``: ``bash bench/run.sh tests [PYTEST ARGS]``.
 
 Without CUDA (CI) every test here is skipped. The paged batches come from ``bench/kernel_bench.py``, which
 times the same kernels.

@@ -1,7 +1,7 @@
 """Whole models on CUDA: the canary (compiled vs HF eager, fp32) of tiny checkpoints with each attention
 backend, MLA and sinks under CUDA graphs, prefill and mixed steps through the piecewise graphs, the engine with
 async scheduling against the engine without, and 64-step greedy equality of the 8B shape against the torch
-reference backend (``slow``: two 8B compiles in fp32)."""
+reference backend (two 8B compiles in fp32). All ``slow``: they compile models (~8 minutes on an H100)."""
 
 import gc
 import random
@@ -13,7 +13,7 @@ from cuda_only import ON_CUDA
 from autodeploy.check import run_check
 from autodeploy.tiny import make_tiny_checkpoint
 
-pytestmark = ON_CUDA
+pytestmark = [*ON_CUDA, pytest.mark.slow]
 ARCHS = ("llama", "gemma2", "qwen3", "nemotron_h", "bamba",  # the Mamba-2 hybrids: state ops and pool on CUDA
          "llama4_text", "bloom", "mpt", "gpt_neo", "xglm")  # chunked attention, ALiBi, select/bmm attention
 
@@ -113,7 +113,6 @@ def greedy_tokens(config_dir, backend: str, prompts, steps: int):
     return result
 
 
-@pytest.mark.slow
 def test_64_greedy_steps_of_the_8b_shape_equal_the_torch_backends(tmp_path):
     """The model as served (Triton, fusions, CUDA graphs) against the same random weights on the torch reference
     backend. fp32: random weights give nearly flat distributions, and in bf16 two correct backends that sum in

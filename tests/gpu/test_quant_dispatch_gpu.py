@@ -69,6 +69,7 @@ def test_nvfp4_linear(per_row_scale_2, rows):
     check(lambda: ql._nvfp4(x, packed, scale, scale_2, None), want)
 
 
+@pytest.mark.slow  # a model compile each
 @pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
 def test_producer_fixture_canary(fixture):
     result = run_check(FIXTURES / fixture, device="cuda", dtype="bfloat16", steps=16, rel_tol=0.05)
