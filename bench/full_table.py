@@ -1,7 +1,7 @@
 """The benchmark suite: every workload of docs/perf.md in one table, each against its peers and a floor
 measured in the same run, written as a table and as JSON.
 
-    bash bench/run.sh                       # on a GPU machine: install, every section, one table (~30 min)
+    bash bench/run.sh                       # on a GPU machine: install, every section, one table (~25 min)
     bash bench/run.sh decode                # one section (each fits a 10-minute device call)
     python bench/full_table.py --sections decode,kernels --json out/run.json
     python bench/full_table.py --merge out/decode.json out/offline.json --json out/table.json
@@ -17,15 +17,12 @@ its options in ``add_options(group)``; a new section is one more entry):
 - serving: ``autodeploy serve`` under ``autodeploy bench serve`` at several concurrencies, next to the
   engine's decode step at the same batch (``serving_bench.py``);
 - coldstart: process start to the first token, fresh process, autodeploy and the HF peers (``cold_start.py``);
-- kernels: every Triton kernel checked against its torch reference and timed (``kernels_gpu.py``);
-- quant_kernels: the FP8/NVFP4 linear kernels at the 8B shapes against bf16 and the copy bandwidth
-  (``quant_kernels.py``);
-- correctness: the canary on CUDA, async == sync engine, 64-step greedy equality of the 8B shape
-  (``correctness.py``);
+- kernels: every Triton kernel timed against its byte/FLOP floor (``kernel_bench.py``);
 - structured: the engine's decode step at batch 64, free and under a JSON-schema grammar: structured output's
   cost per token (``structured_bench.py``).
 
-Exit status 1 if a check failed (a row with ``passed`` False).
+What the GPU computes is tested, not benchmarked: ``tests/gpu`` (``bash bench/run.sh tests``). Exit status 1 if
+a row failed a check (a serving run with failed requests, a done-when check).
 """
 
 from __future__ import annotations
@@ -46,9 +43,7 @@ SECTIONS = {  # name -> module of this folder; the order of a full run
     "offline": "offline_bench",
     "serving": "serving_bench",
     "coldstart": "cold_start",
-    "kernels": "kernels_gpu",
-    "quant_kernels": "quant_kernels",
-    "correctness": "correctness",
+    "kernels": "kernel_bench",
     "structured": "structured_bench",
 }
 

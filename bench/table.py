@@ -31,7 +31,7 @@ WEIGHT_FORMATS = {
 
 @dataclass(frozen=True)
 class TableRow:
-    section: str  # decode | offline | serving | coldstart | kernels | correctness
+    section: str  # a key of full_table.SECTIONS
     workload: str  # e.g. "llama8b batch 64", "llama8b 128/128 x 512"
     impl: str
     seconds: float | None  # per step (decode), run (offline), to the first token (cold start); None: a check only
@@ -39,7 +39,7 @@ class TableRow:
     floor_s: float | None = None  # what the GPU cannot beat, from the header's rates
     note: str = ""
     weights: str = "bf16"
-    passed: bool | None = None  # a check's verdict (kernels, correctness, failed requests); None: a timing only
+    passed: bool | None = None  # a check's verdict (serving: failed requests, done-when); None: a timing only
     metrics: dict = field(default_factory=dict)  # the section's own figures (serving: latency percentiles, ms)
 
     @property

@@ -28,8 +28,8 @@ class CudaGraphConfig(PassConfig):
     batch_sizes: list[int] | None = None
     # other steps (prefills, mixed prefill + decode) of at most the largest token bucket: padded to their
     # bucket, the pieces between attention calls replay graphs captured per bucket. Off by default until
-    # bench/mixed_steps.py has checked and timed it on a GPU; off, those steps run eagerly
-    # on since its check on an H100 (bench/mixed_steps.py, 2026-12-07: every padded step equal to eager; a mixed
+    # bench/probes/mixed_steps.py has checked and timed it on a GPU; off, those steps run eagerly
+    # on since its check on an H100 (bench/probes/mixed_steps.py, 2026-12-07: every padded step equal to eager; a mixed
     # step's host time 34 -> 8.7 ms); false: prefill and mixed steps run eagerly
     piecewise: bool = True
     # the token buckets (default: default_piecewise_sizes(max_num_tokens)); []: none, as piecewise=false

@@ -88,7 +88,7 @@ class AttentionLaunch:
         # (H200: 248 decodes + 2 x 128 prompt tokens, attention 390 us per layer).
         decode = num_tokens <= DECODE_TOKENS_PER_SEQ * num_seqs
         if decode:
-            block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (bench/compile_sm90.py)
+            block_m, warps, stages = max(16, group_pad), 4, 2  # 3 stages spill (tests/kernels/compile_sm90.py)
         else:
             block_m = max(128 if head_dim <= 128 else 64, group_pad)
             if head_dim * element_size > 256:
@@ -99,7 +99,7 @@ class AttentionLaunch:
         target = _target_programs(decode, device)
         # A decode grid short of filling the GPU waits on latency: smaller key blocks (8B batch 1 x 512
         # between the GEMVs: 10.4 vs 12.5 us), and the preload hides a round trip. In a full grid the
-        # preload's 30-40 extra registers cost occupancy; fp32 blocks spill (bench/compile_sm90.py).
+        # preload's 30-40 extra registers cost occupancy; fp32 blocks spill (tests/kernels/compile_sm90.py).
         latency_bound = decode and tiles < target
         if latency_bound:
             block_n = min(block_n, 32)

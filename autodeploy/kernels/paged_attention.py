@@ -80,7 +80,7 @@ _DYNAMIC_ARGS = ["num_seqs", "num_tokens", "stride_bt"]
 # token and sequence counts: whether each starts 16-byte aligned changes from step to step, and a
 # kernel specialized on it compiled while serving (8B on an H100: context_lens, block_table and
 # slot_mapping met unaligned by mixed steps, four compiles after ready). Unspecialized, the variants
-# of bench/compile_sm90.py keep their registers, spills and load widths (prefills: the same SASS).
+# of tests/kernels/compile_sm90.py keep their registers, spills and load widths (prefills: the same SASS).
 METADATA_POINTERS = ["context_lens_ptr", "cu_seqlens_ptr", "block_table_ptr", "slot_ptr"]
 
 
@@ -371,7 +371,7 @@ def rope_decode_tuning(block_n: int, fp8_pool: bool = False) -> tuple[int, dict]
     Rotating a block of new keys holds it and its partner halves in registers (without RoPE they go
     from global to shared memory by cp.async). A decode tile has only a few new keys: blocks of 16
     keep that cost small, and a cap of 128 registers keeps 4 programs of 128 threads per SM, as
-    without RoPE; ptxas then parks a few values outside the loops (bench/compile_sm90.py). An FP8
+    without RoPE; ptxas then parks a few values outside the loops (tests/kernels/compile_sm90.py). An FP8
     pool's kernel (e4m3 widened for the dots, new keys quantized) spills inside the loops under that
     cap: it runs uncapped, as its launches without RoPE do."""
     return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {} if fp8_pool else {"maxnreg": ROPE_DECODE_MAX_REGISTERS}

@@ -1,5 +1,5 @@
 """Decode attention sweeps and a per-program timeline, on the GPU (what tuned ``AttentionLaunch.choose``
-and explained where a decode grid's time goes; the kernels and batches of ``kernels_gpu.py``):
+and explained where a decode grid's time goes; the kernels and batches of ``bench/kernel_bench.py``):
 
     PYTHONPATH=bench python bench/probes/attention_sweeps.py --sweep 1x4096,64x512 --context-sweep 480x192
 
@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from gpu_harness import DEV, Report, Row, rel_err, sets_for, timed  # (this folder)
-from kernels_gpu import D, HKV, HQ, PAGE, attention_cost, paged_batch, rotary_rows  # (this folder)
+from gpu_harness import DEV, Report, Row, rel_err, sets_for, timed  # (bench/)
+from kernel_bench import D, HKV, HQ, PAGE, attention_cost, paged_batch, rotary_rows  # (bench/)
 
 from autodeploy.kernels import paged_attention as pa
 from autodeploy.kernels.attention_config import AttentionLaunch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "bench" / "compile_sm90.py"
+TOOL = Path(__file__).resolve().parent / "compile_sm90.py"
 
 
 @pytest.mark.slow
@@ -24,3 +24,7 @@ def test_all_kernels_compile_for_hopper_without_spills():
     _, spill = (int(field) for field in merge_row[len(variant):].split()[:2])
     vector_loads = re.search(r"ld\.cg\.v4 x(\d+)", merge_row)
     assert spill == 0 and vector_loads and int(vector_loads.group(1)) >= 16, merge_row
+    # the quantized linears: tensor cores in the GEMMs, 16-byte weight loads in the GEMVs
+    rows = {line[:44].strip(): line for line in run.stdout.splitlines()}
+    assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4 weight-only 4096 rows"]
+    assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]

@@ -6,7 +6,7 @@ the block table padded to the model's widest. Here a stand-in replays by running
 those same static tensors (no CUDA on this machine), so everything but the capture itself is the real path:
 a tiny deepseek_v3 on the Triton MLA kernel (interpreter) must pass the canary with its decode steps served
 by the graphs of batch sizes 1 and 2 (the kernel's launch depends on shapes only, and its op never reads a
-value back to the host, which is what lets CUDA capture it: ``bench/mla_decode_gpu.py`` captures it for real).
+value back to the host, which is what lets CUDA capture it: ``tests/gpu/test_models_gpu.py`` captures it for real).
 """
 
 import pytest

@@ -211,7 +211,7 @@ def test_default_launch_choice():
 
 def test_fp32_prefill_tiles_fit_shared_memory():
     """fp32 at head 128 with RoPE folded in needs 257 KB of shared memory at 64 keys per step (sm_90
-    compile, bench/compile_sm90.py; the H200 has 227 KB): 32 keys for 4-byte elements; bf16 unchanged."""
+    compile, tests/kernels/compile_sm90.py; the H200 has 227 KB): 32 keys for 4-byte elements; bf16 unchanged."""
     cpu = torch.device("cpu")
     assert AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu, element_size=4).block_n == 32
     assert AttentionLaunch.choose(4096, 4, 32, 8, 128, 1024, cpu, element_size=2).block_n == 64

@@ -1,5 +1,5 @@
 """The quantized-linear kernels compiled for the GPU, in bf16, against their references (no timing:
-bench/quant_kernels.py times them). Skipped without CUDA; conftest turns the interpreter on, so run
+bench/probes/quant_kernels.py times them). Skipped without CUDA; conftest turns the interpreter on, so run
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/kernels/test_quant_gpu.py
 """

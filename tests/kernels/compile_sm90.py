@@ -11,9 +11,11 @@ needed only in the epilogue) in local memory to reach a lower register count, i.
 occupancy: such spills outside every loop cost a store and a load per program, and are listed as
 ``cold`` without failing.
 
-    python bench/compile_sm90.py    # prints one table; exit status 1 if a variant fails or spills in a loop
-    python bench/compile_sm90.py --sass DIR   # + each variant's SASS (addresses stripped) in DIR/<variant>.sass
-    python bench/compile_sm90.py --only attn  # the variants whose name contains "attn"
+    python tests/kernels/compile_sm90.py    # one table; exit status 1 if a variant fails or spills in a loop
+    python tests/kernels/compile_sm90.py --sass DIR   # + each variant's SASS (addresses stripped) in DIR/<variant>.sass
+    python tests/kernels/compile_sm90.py --only attn  # the variants whose name contains "attn"
+
+CI runs it (``test_compile_sm90.py``, next to it).
 
 ``--sass`` on two checkouts and ``diff -r`` shows whether a change left a variant's machine code as it
 was (a new constexpr switch must not change the variants that leave it off).
@@ -28,22 +30,28 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter's
-import kernels_only  # noqa: E402,F401  (autodeploy.kernels without transformers; this folder)
+if "autodeploy" not in sys.modules:  # autodeploy.kernels alone: a bare package over the source tree (the
+    _package = types.ModuleType("autodeploy")  # package's __init__ imports transformers, needless here)
+    _package.__path__ = [str(Path(__file__).resolve().parents[2] / "autodeploy")]
+    sys.modules["autodeploy"] = _package
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels import quant_gemm as qm  # noqa: E402
+from autodeploy.kernels import quant_gemv as qg  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale"}
-DIVISIBLE_INTS = {"n_cols", "N", "K"}  # hidden / intermediate sizes: multiples of 16 in every real model
+FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale", "out_factor"}
+DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes"}  # hidden / intermediate sizes: multiples of 16 in real models
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
@@ -207,6 +215,59 @@ def _mla_variants():
     yield ("mla merge ds-v3 (12 splits)", mla_attention._merge_kernel, pointers, merge, 4, 2)
 
 
+def _quant_variants():
+    """The quantized linears' launches as chosen by default at the 8B shapes: the weight-only GEMVs (CUDA
+    cores, 1 and 4 rows), the GEMMs at 1, 64 and 4096 rows, the activation quantizers."""
+    def gemv_variant(fmt, rows, block_scaled=False):
+        launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows)
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                    "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+        const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
+                     BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
+                     PRELOAD=launch.preload, E2M1_PTX=True)
+        name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
+        return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
+
+    def gemm_variant(fmt, rows, block_scaled=False, split=1):
+        launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
+        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m,
+                     BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
+        if fmt is None:  # activations quantized: fp8_gemm's Triton GEMM
+            pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                        "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+            kernel, const, name = qm._fp8_gemm_kernel, tiles, "fp8_gemm"
+        else:
+            pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                        "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+            kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
+            const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
+        if "SPLIT_K" in kernel.arg_names:  # split-K GEMMs: each split's fp32 partial where K is split
+            pointers["partial_ptr"] = "*fp32" if split > 1 else "*bf16"
+            const = dict(const, SPLIT_K=split)
+        name = f"{name} {rows} rows{' block' if block_scaled else ''}{f' split {split}' if split > 1 else ''}"
+        return name, kernel, pointers, const, launch.num_warps, launch.num_stages
+
+    for fmt in qg.WeightFormat:
+        for rows in (1, 4):
+            yield gemv_variant(fmt, rows)
+    yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True)
+    for rows in (1, 64, 4096):
+        yield gemm_variant(qg.WeightFormat.NVFP4, rows)
+        for fmt in (None, qg.WeightFormat.FP8):
+            yield gemm_variant(fmt, rows)
+            yield gemm_variant(fmt, rows, block_scaled=True)
+    if "SPLIT_K" in qm._fp8_gemm_kernel.arg_names:  # decode batches split K (GemmLaunch.choose: up to 4 ways)
+        for rows in (16, 64):
+            yield gemm_variant(None, rows, split=4)
+            yield gemm_variant(qg.WeightFormat.FP8, rows, split=4)
+            yield gemm_variant(qg.WeightFormat.NVFP4, rows, split=4)
+    quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for static in (False, True):
+        yield (f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize,
+               dict(STATIC=static, BLOCK=4096), 4, 1)
+    yield ("fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1)
+
+
 def variants():
     """(name, kernel, pointer types, constexprs, warps, stages[, options]) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -292,6 +353,7 @@ def variants():
     yield from _mla_variants()
     qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
     yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
+    yield from _quant_variants()
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """The quantized-linear kernels on one GPU: each checked against its reference, then timed at the
-Llama-3.1-8B linear shapes, next to bf16 and the copy bandwidth measured in the same run. Runs alone
-(``main``) or as the ``quant_kernels`` section of ``full_table.py`` (``add_options``, ``table_rows``).
+Llama-3.1-8B linear shapes, next to bf16 and the copy bandwidth measured in the same run (a probe since
+2026-12-07: the quantized kernels' speed against bf16; their correctness on CUDA is
+``tests/kernels/test_quant_gpu.py``, their sm_90 code ``tests/kernels/compile_sm90.py``).
 
 Shapes (N x K): qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336, lm_head
 128256 x 4096; rows M = 1, 8, 64, 512 (``--rows``) and 8192 for the GEMMs (``--gemm-rows``). Each
@@ -25,9 +26,8 @@ second, ``%copy`` of the device-to-device copy bandwidth; ``TFLOP/s``: 2 M N K p
 summary adds the batch-1 linears of a whole 8B decode step (32 layers x qkv, o, gate_up, down + the
 LM head, which stays bf16 in the quantized rows) against the weight stream's floor.
 
-    python bench/quant_kernels.py [--json PATH]              # < 4 minutes on an H100; exit 1 if a check fails
-    python bench/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep   # batch-1 launch sweep
-    python bench/quant_kernels.py --compile-sm90   # no GPU: registers, spills, tensor-core use per variant
+    PYTHONPATH=bench python bench/probes/quant_kernels.py [--json PATH]   # < 4 minutes on an H100
+    PYTHONPATH=bench python bench/probes/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep
 """
 
 from __future__ import annotations
@@ -322,104 +322,6 @@ def measure_all(args, impls: list[Impl]) -> list[Result]:
 
 # ----------------------------------------------------------------------------- a section of full_table.py
 
-WEIGHT_LABELS = {"bf16": "bf16", "fp8_tensor": "fp8-t", "fp8_channel": "fp8-ch", "fp8_block": "fp8-blk",
-                 "nvfp4": "nvfp4"}
-
-
-def add_options(group) -> None:
-    """This benchmark's options as a section of ``full_table.py`` (``--sections quant_kernels``)."""
-    group.add_argument("--quant-shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
-    group.add_argument("--quant-rows", type=_ints, default=[1, 8, 64, 512])
-    group.add_argument("--quant-gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
-    group.add_argument("--quant-sweep", action="store_true", help="also the batch-1 launch configs")
-
-
-def table_rows(args, header):
-    """The suite's rows (``table.TableRow``): each measurement against the longer of its weight bytes
-    at the copy bandwidth and its FLOPs at the bf16 GEMM rate (the header's), then the batch-1 decode
-    steps' linears per format against their weight stream."""
-    from table import TableRow
-
-    options = argparse.Namespace(shapes=_shapes(args.quant_shapes, argparse.ArgumentParser().error),
-                                 rows=args.quant_rows, gemm_rows=args.quant_gemm_rows, sweep=args.quant_sweep)
-    results = measure_all(options, implementations())
-    for r in results:
-        floor = max(r.weight_bytes / header.bandwidth, 2 * r.rows * r.n * r.k / header.gemm_flops)
-        notes = [f"rel err {r.err:.1e}" if r.err is not None else "", f"{r.gbps:.0f} GB/s" if r.us else "",
-                 r.note]
-        yield TableRow("quant_kernels", f"{r.shape} {r.n}x{r.k} M={r.rows}", r.impl, r.us and r.us * 1e-6,
-                       floor_s=floor if r.us else None, note="; ".join(n for n in notes if n),
-                       weights=WEIGHT_LABELS[r.fmt], passed=None if r.err is None else r.ok)
-    for label, seconds, floor in decode_steps(results, header.bandwidth):
-        yield TableRow("quant_kernels", "llama8b linears, batch 1", label, seconds, floor_s=floor,
-                       note="32 layers x qkv, o, gate_up, down + the bf16 LM head")
-
-
-# ----------------------------------------------------------------------------- sm_90 compile check
-
-
-def compile_variants():
-    """(name, kernel, pointer types, constexprs, warps, stages, options) of the launches the kernels
-    choose by default at the 8B shapes, for ``compile_sm90.compile_variant``."""
-    from autodeploy.kernels import quant_gemm as qm, quant_gemv as qg
-
-    def gemv(fmt, rows, block_scaled=False):
-        launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows)
-        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                    "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
-        const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
-                     BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
-                     PRELOAD=launch.preload, E2M1_PTX=True)
-        name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
-        return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
-
-    def gemm(fmt, rows, block_scaled=False):
-        scale_type = "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"
-        launch = qm.GemmLaunch.choose(rows, 4096, block_scaled=block_scaled)
-        tiles = dict(HAS_BIAS=False, BLOCK_SCALED=block_scaled, BLOCK_M=launch.block_m,
-                     BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
-        if fmt is None:  # activations quantized: fp8_gemm's Triton GEMM
-            pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
-                        "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-            kernel, const, name = qm._fp8_gemm_kernel, tiles, "fp8_gemm"
-        else:
-            pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                        "out_ptr": "*bf16", "scale_ptr": scale_type}
-            kernel, name = qm._weight_only_gemm_kernel, f"{fmt.name.lower()} weight-only"
-            const = dict(tiles, FORMAT=int(fmt), DOT_PRECISION="tf32", E2M1_PTX=True)
-        name = f"{name} {rows} rows{' block' if block_scaled else ''}"
-        return name, kernel, pointers, const, launch.num_warps, launch.num_stages
-
-    for fmt in qg.WeightFormat:
-        for rows in (1, 4):
-            yield gemv(fmt, rows)
-    yield gemv(qg.WeightFormat.FP8, 1, block_scaled=True)
-    for rows in (1, 64, 4096):
-        yield gemm(qg.WeightFormat.NVFP4, rows)
-        for fmt in (None, qg.WeightFormat.FP8):
-            yield gemm(fmt, rows)
-            yield gemm(fmt, rows, block_scaled=True)
-    quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    for static in (False, True):
-        yield f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize, dict(STATIC=static,
-                                                                                            BLOCK=4096), 4, 1
-    groups = dict(GROUP_PAD=128, BLOCK_G=16)
-    yield "fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, groups, 4, 1
-
-
-def compile_sm90() -> int:
-    """Compile every variant for sm_90 without a GPU; 1 if one fails or spills registers in a loop."""
-    import compile_sm90 as tool  # first: it turns the interpreter off before the kernels are defined
-
-    tool.DIVISIBLE_INTS = tool.DIVISIBLE_INTS | {"row_bytes"}  # a multiple of 16 at the 8B shapes
-    ok = True
-    for variant in compile_variants():
-        row, good = tool.compile_variant(*variant)
-        print(row, flush=True)
-        ok &= good
-    return 0 if ok else 1
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -435,8 +337,6 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true",
                         help="also the batch-1 weight-only kernels over launch configs")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
-    parser.add_argument("--compile-sm90", action="store_true",
-                        help="only compile the kernels for sm_90 (no GPU needed)")
     args = parser.parse_args(argv)
     args.shapes = _shapes(args.shapes, parser.error)
     return args
@@ -458,8 +358,6 @@ def copy_bandwidth() -> float:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.compile_sm90:
-        return compile_sm90()
     if not torch.cuda.is_available():
         print("bench/quant_kernels.py needs a CUDA device", file=sys.stderr)
         return 2
