@@ -44,6 +44,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
+from autodeploy.kernels import fp8_quantize as fq  # noqa: E402
+from autodeploy.kernels import norm_quantize as nq  # noqa: E402
 from autodeploy.kernels import quant_gemm as qm  # noqa: E402
 from autodeploy.kernels import quant_gemv as qg  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
@@ -256,16 +258,20 @@ def _quant_variants():
         for fmt in (None, qg.WeightFormat.FP8):
             yield gemm_variant(fmt, rows)
             yield gemm_variant(fmt, rows, block_scaled=True)
-    if "SPLIT_K" in qm._fp8_gemm_kernel.arg_names:  # decode batches split K (GemmLaunch.choose: up to 4 ways)
-        for rows in (16, 64):
-            yield gemm_variant(None, rows, split=4)
-            yield gemm_variant(qg.WeightFormat.FP8, rows, split=4)
-            yield gemm_variant(qg.WeightFormat.NVFP4, rows, split=4)
+    for rows in (16, 64):  # decode batches split K (GemmLaunch.choose: up to 4 ways)
+        yield gemm_variant(None, rows, split=4)
+        yield gemm_variant(qg.WeightFormat.FP8, rows, split=4)
+        yield gemm_variant(qg.WeightFormat.NVFP4, rows, split=4)
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for static in (False, True):
-        yield (f"fp8_quantize rows static={static}", qm._quantize_rows_kernel, quantize,
+        yield (f"fp8_quantize rows static={static}", fq._quantize_rows_kernel, quantize,
                dict(STATIC=static, BLOCK=4096), 4, 1)
-    yield ("fp8_quantize groups of 128", qm._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1)
+    yield ("fp8_quantize groups of 128", fq._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1)
+    steps = {"x_ptr": "*bf16", "second_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+             "sum_ptr": "*bf16"}
+    for step, block in ((nq.Step.ADD_RMS_NORM, 4096), (nq.Step.GATED, 16384)):  # the 8B shape's hidden and MLP
+        yield (f"norm_quantize {step.name.lower()}", nq._step_quantize_kernel, steps,
+               dict(STEP=int(step), ACTIVATION=0, STATIC=False, BLOCK=block, PDL=True), min(16, max(4, block // 1024)), 1)
 
 
 def variants():
