@@ -120,7 +120,7 @@ def conv_update(x, weight, bias, conv_state, state_slots, cu_seqlens, context_le
     if not 2 <= taps <= 4:
         raise ValueError(f"conv_update handles 2 to 4 taps, got {taps}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block = min(triton.next_power_of_2(channels), 1024)
+    block = min(triton.next_power_of_2(channels), 256)  # several programs even for one sequence
     if rows:
         _conv_update_kernel[(rows, triton.cdiv(channels, block))](
             x, weight, bias if bias is not None else x, conv_state, out, cu_seqlens, state_slots, context_lens,
