@@ -48,14 +48,16 @@ def _mamba_inputs(rows: int, dtype, heads=64, head_dim=64, groups=8, state=128, 
 def test_decode_kernels_equal_the_batched_torch_step_at_model_sizes(dtype, monkeypatch):
     inputs, meta = _mamba_inputs(64, dtype), _metadata(60, 64)
     conv_state, ssm_state = inputs["states"]
-    got = (conv_update(*inputs["conv"], conv_state.clone(), **meta), ssm_update(*inputs["ssm"], ssm_state.clone(), **meta))
+    got_states = conv_state.clone(), ssm_state.clone()
+    got = (conv_update(*inputs["conv"], got_states[0], **meta), ssm_update(*inputs["ssm"], got_states[1], **meta))
     monkeypatch.setenv("AUTODEPLOY_TRITON_KERNELS", "0")  # the batched torch form
-    want_conv_state, want_ssm_state = conv_state.clone(), ssm_state.clone()
-    want = (state_decode.conv_step(*inputs["conv"], want_conv_state, **meta),
-            state_decode.ssm_step(*inputs["ssm"], want_ssm_state, **meta))
+    want_states = conv_state.clone(), ssm_state.clone()
+    want = (state_decode.conv_step(*inputs["conv"], want_states[0], **meta),
+            state_decode.ssm_step(*inputs["ssm"], want_states[1], **meta))
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
-    for g, w in zip(got, want):
+    for g, w in zip((*got, *got_states), (*want, *want_states)):
         torch.testing.assert_close(g, w, **tol)
+    assert not got[0][60:].any() and not got[1][60:].any()  # padding rows
 
 
 def test_decode_kernels_replay_in_a_cuda_graph():
