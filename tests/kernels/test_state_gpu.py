@@ -1,5 +1,5 @@
 """The state ops' decode kernels compiled for the GPU, and a Mamba-2 hybrid's decode steps captured in
-CUDA graphs (no timing: ``bench/decode_bench.py --shape bamba`` times them). Skipped without CUDA;
+CUDA graphs (no timing: ``bench/full_table.py --sections decode --shapes bamba2b`` times them). Skipped without CUDA;
 conftest turns the interpreter on, so run
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/kernels/test_state_gpu.py
