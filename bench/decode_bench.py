@@ -34,13 +34,23 @@ SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     tie_word_embeddings=True),
+    # a ~2.3B Mamba-2 hybrid in Bamba's layout (attention every 6th layer): the state ops' decode graphs
+    "bamba2b": dict(model_type="bamba", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                    num_attention_heads=16, num_key_value_heads=8, attn_layer_indices=[5, 11, 17, 23],
+                    mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, vocab_size=128256,
+                    tie_word_embeddings=False),
 }
 
 
 def llama_config(shape: str):
-    from transformers import LlamaConfig
+    """The HF config of a shape: a Llama unless the shape names its ``model_type``."""
+    from transformers import AutoConfig, LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], dtype="bfloat16")
+    fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type", None)
+    if model_type is not None:
+        return AutoConfig.for_model(model_type, **fields, dtype="bfloat16")
+    return LlamaConfig(**fields, dtype="bfloat16")
 
 
 def copy_bandwidth() -> float:
@@ -64,6 +74,8 @@ def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, h
                    kv_bytes: int = 2) -> float:
     """Bytes one decode step must read: every linear weight (the LM head at ``head_bytes`` a weight) and the
     KV cache (``kv_bytes`` an element: 2 for bf16, 1 for FP8)."""
+    if hasattr(cfg, "mamba_d_state"):
+        return hybrid_streamed_bytes(cfg, batch, context, bytes_per_weight, head_bytes, kv_bytes)
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
@@ -71,6 +83,23 @@ def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, h
     weights = bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h
     kv_cache = kv_bytes * layers * batch * context * 2 * kv
     return weights + kv_cache
+
+
+def hybrid_streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float, head_bytes: float,
+                          kv_bytes: int) -> float:
+    """A Mamba-2 hybrid's decode step: every weight but the embedding's (counted on the meta device), the
+    attention layers' KV cache, and each Mamba layer's state read and written (SSM fp32, conv bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = dict(AutoModelForCausalLM.from_config(cfg).named_parameters())
+    weights = sum(p.numel() for name, p in params.items() if "embed_tokens" not in name and "lm_head" not in name)
+    attention = len(cfg.attn_layer_indices)
+    kv = kv_bytes * attention * batch * context * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    conv_channels = cfg.mamba_expand * cfg.hidden_size + 2 * cfg.mamba_n_groups * cfg.mamba_d_state
+    per_layer = 4 * cfg.mamba_n_heads * cfg.mamba_d_head * cfg.mamba_d_state + 2 * conv_channels * (cfg.mamba_d_conv - 1)
+    state = 2 * (cfg.num_hidden_layers - attention) * batch * per_layer
+    return bytes_per_weight * weights + head_bytes * cfg.vocab_size * cfg.hidden_size + kv + state
 
 
 def timed_steps(step, steps: int, warmup: int = 3) -> float:
@@ -164,9 +193,17 @@ def decode_chunks(model, batch: int, context: int, seed: int = 0) -> list:
             cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device, dtype=torch.bfloat16))
         else:
             cache.normal_(generator=gen)
-    ids = torch.randint(0, model.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    for state in model.pool.state.states if model.pool.state is not None else ():
+        state.normal_(generator=gen)
+    ids = torch.randint(0, model.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [SequenceChunk(tuple(ids[b]), context, **_placed(model, b, context)) for b in range(batch)]
+
+
+def _placed(model, b: int, context: int) -> dict:
+    """Sequence ``b``'s KV blocks (room for ``context`` tokens and some) and state slot (a model with state)."""
     per_seq = -(-(context + 32) // model.block_size)
-    return [SequenceChunk((ids[b],), context, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1))) for b in range(batch)]
+    return {"block_ids": tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
+            "state_slot": b if model.num_state_slots else -1}
 
 
 @torch.inference_mode()
@@ -177,6 +214,32 @@ def bench_autodeploy(model, batch: int, context: int, steps: int) -> float:
         model(chunks).argmax(-1).tolist()
 
     return timed_steps(step, steps)
+
+
+@torch.inference_mode()
+def bench_autodeploy_prefill(model, batch: int, length: int, steps: int) -> float:
+    """One step prefilling ``batch`` random prompts of ``length`` tokens, in ms."""
+    from autodeploy.kvcache.metadata import SequenceChunk
+
+    ids = torch.randint(0, model.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1)).tolist()
+    chunks = [SequenceChunk(tuple(ids[b]), 0, **_placed(model, b, length)) for b in range(batch)]
+    return timed_steps(lambda: model(chunks).argmax(-1).tolist(), steps)
+
+
+@torch.inference_mode()
+def bench_hf_prefill(model, batch: int, length: int, steps: int, static: bool) -> float:
+    """HF's forward over ``batch`` prompts of ``length`` tokens (with ``static``: into a StaticCache, the
+    forward ``torch.compile``d, its compile in the warm-up), in ms."""
+    from transformers import StaticCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
+    kwargs = dict(use_cache=True, logits_to_keep=1)
+    forward = model.forward
+    if static:
+        kwargs |= dict(past_key_values=StaticCache(config=model.config, max_cache_len=length),
+                       cache_position=torch.arange(length, device="cuda"))
+        forward = torch.compile(model.forward, fullgraph=True)
+    return timed_steps(lambda: forward(ids, **kwargs).logits[:, -1].argmax(-1).tolist(), steps)
 
 
 def bench_engine(model, batch: int, context: int, steps: int) -> tuple[float, float]:
@@ -198,6 +261,8 @@ def add_options(group) -> None:
                        help="compile setting of the autodeploy rows (dotted key), e.g. "
                        "passes.warm_up.enabled=false")
     group.add_argument("--label", default="", help="suffix of the autodeploy rows' names (A/B runs)")
+    group.add_argument("--prefill-batch", type=int, default=0,
+                       help="also time one prefill of this many prompts of --context tokens (0: no prefill rows)")
 
 
 def table_rows(args, header) -> Iterator[TableRow]:
@@ -211,9 +276,22 @@ def table_rows(args, header) -> Iterator[TableRow]:
                 yield from autodeploy_rows(shape, cfg, batches, weights, args, header.bandwidth)
 
 
-def _row(shape: str, batch: int, impl: str, ms: float, floor_s: float, note: str = "", weights: str = "bf16"):
-    return TableRow("decode", f"{shape} batch {batch}", impl, ms / 1e3, batch * 1e3 / ms, floor_s, note,
-                    weights)
+def _row(shape: str, batch: int, impl: str, ms: float | None, floor_s: float | None, note: str = "",
+         weights: str = "bf16", workload: str = "batch {batch}", tokens: int | None = None):
+    """A timed row (``ms`` None: the peer could not run, ``note`` says why); ``tokens`` per step (default batch)."""
+    rate = (tokens or batch) * 1e3 / ms if ms else None
+    return TableRow("decode", f"{shape} " + workload.format(batch=batch), impl, ms / 1e3 if ms else None, rate,
+                    floor_s, note, weights)
+
+
+def _prefill_row(shape: str, impl: str, args, bench) -> TableRow:
+    """The prefill row of ``impl``: ``bench(batch, length, steps)`` ms, or why it could not run."""
+    batch, length = args.prefill_batch, args.context
+    try:
+        ms, note = bench(batch, length, args.steps), ""
+    except Exception as exc:  # a peer that cannot run this model (HF's hybrid cache under compile): say so
+        ms, note = None, f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+    return _row(shape, batch, impl, ms, None, note, workload=f"prefill {{batch}} x {length}", tokens=batch * length)
 
 
 def hf_rows(shape: str, cfg, batches: list[int], args, bandwidth: float) -> Iterator[TableRow]:
@@ -225,10 +303,17 @@ def hf_rows(shape: str, cfg, batches: list[int], args, bandwidth: float) -> Iter
         if "hf_eager" in args.impls:
             yield _row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor)
         if "hf_static" in args.impls and b in static_batches:
-            ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
-            yield _row(shape, b, "hf_static", ms, floor, f"first calls {compile_s:.0f} s")
+            try:
+                ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
+                yield _row(shape, b, "hf_static", ms, floor, f"first calls {compile_s:.0f} s")
+            except Exception as exc:  # a hybrid's cache may not compile: the table says so
+                yield _row(shape, b, "hf_static", None, floor, f"failed: {type(exc).__name__}: {str(exc)[:160]}")
             torch._dynamo.reset()
         free_memory()
+    for impl in ("hf_eager", "hf_static") if args.prefill_batch else ():
+        if impl in args.impls:
+            yield _prefill_row(shape, impl, args, lambda *a: bench_hf_prefill(model, *a, static=impl == "hf_static"))
+            torch._dynamo.reset()
     del model
     free_memory()
 
@@ -247,6 +332,8 @@ def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
         ms, waited = bench_engine(model, b, args.context, args.steps)
         yield _row(shape, b, "autodeploy engine" + args.label, ms, floor, f"host waited {waited:.2f} ms/step",
                    weights.name)
+    if args.prefill_batch:
+        yield _prefill_row(shape, "autodeploy" + args.label, args, lambda *a: bench_autodeploy_prefill(model, *a))
     del model
     free_memory()
 

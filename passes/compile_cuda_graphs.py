@@ -4,9 +4,11 @@
 
 Decode graphs are skipped, with the reason in the pass table, with attention backends that
 synchronize with the host (the torch reference backend) and with ops that do (MoE's reference
-routing, the state ops' host loop over the sequences); piecewise graphs run those eagerly between
-the pieces, so they need neither, but rely on ``check_uncached_state`` having proved the graph
-token-local outside attention and the state ops (padding rows stay in their rows). On
+routing); the state ops synchronize only on steps other than decodes (``DECODE_CAPTURABLE_OPS``: a
+decode step updates every slot in one batched step), so models with state get decode graphs.
+Piecewise graphs run the syncing ops eagerly between the pieces, so they need neither, but rely on
+``check_uncached_state`` having proved the graph token-local outside attention and the state ops
+(padding rows stay in their rows). On
 the CPU nothing is captured; ``piecewise_on_cpu`` runs the piecewise path there with each piece
 called where a graph would replay (tests). ``enforce_eager`` (vLLM's ``--enforce-eager``) captures nothing.
 """
@@ -19,6 +21,7 @@ from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
 from autodeploy.graph.modules import layers_of
 from autodeploy.graph.split import HOST_SYNC_OPS
 from autodeploy.ops.attention_backends import ATTENTION_BACKENDS
+from autodeploy.ops.state_ops import DECODE_CAPTURABLE_OPS
 from autodeploy.piecewise import PiecewiseRunner, default_piecewise_sizes
 from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResult, Stage
 
@@ -98,9 +101,9 @@ class CompileCudaGraphs(Pass):
 
 
 def _host_sync(ctx: CompileContext) -> str | None:
-    """Why the graph cannot be captured whole: the first op that synchronizes with the host."""
+    """Why a decode step cannot be captured whole: the first op that synchronizes with the host on one."""
     for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in HOST_SYNC_OPS:
+        if node.op == "call_function" and node.target in HOST_SYNC_OPS and node.target not in DECODE_CAPTURABLE_OPS:
             layers = layers_of([node])
             where = f" ({layers[0]})" if layers else ""
             return f"{node.target}{where} {HOST_SYNC_OPS[node.target]}"

@@ -199,7 +199,9 @@ def decode_step_ms(model, batch_size: int, context_len: int, iters: int = 10) ->
     """Milliseconds of one bare ``CompiledModel`` decode step: ``batch_size`` sequences, one token each."""
     batch_size = min(batch_size, model.num_blocks // blocks_needed(context_len + 1, model.block_size))
     per_seq = blocks_needed(context_len + 1, model.block_size)
-    chunks = [SequenceChunk((1,), context_len, tuple(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch_size)]
+    slot = (lambda i: i) if model.num_state_slots else (lambda i: -1)  # a model with state: a slot each, read and written
+    chunks = [SequenceChunk((1,), context_len, tuple(range(i * per_seq, (i + 1) * per_seq)), state_slot=slot(i))
+              for i in range(batch_size)]
     model(chunks)  # warm-up
     _sync(model.device)
     start = time.perf_counter()

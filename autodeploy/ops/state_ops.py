@@ -10,17 +10,20 @@ Flattened token layout, like attention: every token of a step is a row of T. Eac
   tensor (``state_slots`` [B]; a sequence with ``context_lens == 0`` starts from zeros, and slot -1
   marks padding: zeros, nothing written) and writes its final state back to that slot.
 
-The math (torch references) is in ``state_reference``; the cached ops run it sequence by sequence
-on every device (a host loop over ``cu_seqlens``: it synchronizes, so ``compile_cuda_graphs`` captures
-no decode graph for a model with state ops, and piecewise graphs run them eagerly between the
-pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM and delta-rule outputs are fp32 (the state's precision); the convolution
-keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
+The math (torch references) is in ``state_reference``. A decode step (one token per sequence:
+``T == B``) runs ``state_decode``'s batched one-token update (Triton kernels on CUDA): no host
+loop, so ``compile_cuda_graphs`` captures decode graphs of models with state ops
+(``DECODE_CAPTURABLE_OPS``). Any other step runs the references sequence by sequence (a host loop
+over ``cu_seqlens``: it synchronizes, so piecewise graphs run these ops eagerly between the pieces,
+as ``graph.split.HOST_SYNC_OPS`` says). SSM and delta-rule outputs are fp32 (the state's
+precision); the convolution keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import state_decode as decode
 from . import state_reference as ref
 
 # ---- one sequence, zero initial state (canonicalization) ------------------------------------------
@@ -74,6 +77,9 @@ def causal_conv1d_cached(
     state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``causal_conv1d`` per sequence; conv_state [slots, C, K - 1] holds each sequence's last inputs."""
+    if decode.is_decode_step(x, state_slots):
+        return decode.conv_step(x, weight, bias, conv_state, state_slots, cu_seqlens, context_lens)
+
     def run(rows, one_token, initial):
         return ref.conv_sequence(x[rows], weight, bias, initial.to(x.dtype))
 
@@ -91,6 +97,9 @@ def ssm_scan_cached(
     state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``ssm_scan`` per sequence; ssm_state [slots, H, P, N] fp32."""
+    if decode.is_decode_step(x, state_slots):
+        return decode.ssm_step(x, dt, A, B, C, ssm_state, state_slots, cu_seqlens, context_lens)
+
     def run(rows, one_token, initial):
         scan = ref.ssm_recurrent if one_token else ref.ssm_chunked
         return scan(x[rows], dt[rows], A, B[rows], C[rows], initial)
@@ -110,6 +119,9 @@ def gated_delta_rule_cached(
     delta_state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``gated_delta_rule`` per sequence; delta_state [slots, H, K, V] fp32."""
+    if decode.is_decode_step(v, state_slots):
+        return decode.delta_step(q, k, v, g, beta, delta_state, state_slots, cu_seqlens, context_lens)
+
     def run(rows, one_token, initial):
         rule = ref.delta_recurrent if one_token else ref.delta_chunked
         return rule(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
@@ -148,3 +160,10 @@ STATE_OPS = {  # plain op -> its cached form
     torch.ops.autodeploy.ssm_scan.default: torch.ops.autodeploy.ssm_scan_cached.default,
     torch.ops.autodeploy.gated_delta_rule.default: torch.ops.autodeploy.gated_delta_rule_cached.default,
 }
+# the cached ops whose decode steps never synchronize with the host (their other steps do): an op
+# is listed here only once its decode step goes through ``state_decode``
+DECODE_CAPTURABLE_OPS = frozenset({
+    torch.ops.autodeploy.causal_conv1d_cached.default,
+    torch.ops.autodeploy.ssm_scan_cached.default,
+    torch.ops.autodeploy.gated_delta_rule_cached.default,
+})

@@ -73,6 +73,24 @@ def test_decode_floor_streams_the_weights_at_their_formats_bytes():
     assert nvfp4.bytes_per_weight == 0.5625 and nvfp4.settings["quantization"] == "nvfp4"
 
 
+def test_a_hybrid_decode_floor_adds_each_sequences_state_and_a_failed_peer_is_a_row_that_says_why():
+    cfg = decode_bench.llama_config("bamba2b")
+    assert type(cfg).__name__ == "BambaConfig" and cfg.num_hidden_layers == 24
+    one, two = (decode_bench.streamed_bytes(cfg, b, 0) for b in (1, 2))
+    conv = (2 * 2048 + 2 * 128) * 3 * 2  # bf16 channels x (taps - 1)
+    assert two - one == 2 * 20 * (64 * 64 * 128 * 4 + conv)  # read + written, 20 Mamba layers
+    assert 2.0e9 < (one - (two - one)) / 2 < 2.1e9  # 2.3B weights less the embedding (0.26B), bf16
+
+    def fails(*_):
+        raise RuntimeError("cache not compilable")
+
+    args = type("Args", (), {"prefill_batch": 4, "context": 8, "steps": 1})
+    row = decode_bench._prefill_row("bamba2b", "hf_static", args, fails)
+    assert row.workload == "bamba2b prefill 4 x 8" and row.seconds is None and "cache not compilable" in row.note
+    row = decode_bench._prefill_row("bamba2b", "autodeploy", args, lambda *_: 16.0)
+    assert row.seconds == 0.016 and row.tokens_per_s == 2000
+
+
 @pytest.mark.parametrize("impl", hf_peers.IMPLS)
 def test_hf_peers_generate_every_requested_token(impl):
     torch.manual_seed(0)
@@ -200,7 +218,7 @@ def test_decode_rows_come_one_by_one_with_their_floor(monkeypatch):
     monkeypatch.setattr(decode_bench, "bench_autodeploy", timed(4.2))
     monkeypatch.setattr(decode_bench, "bench_engine", timed((4.0, 3.5)))
     args = full_table.argparse.Namespace(shapes="llama8b", batches="1,64", static_batches="1", context=512, steps=5,
-                                         impls=("autodeploy", "hf_eager", "hf_static"), set=[], label="",
+                                         impls=("autodeploy", "hf_eager", "hf_static"), set=[], label="", prefill_batch=0,
                                          weights=[table.WEIGHT_FORMATS["bf16"]])
     rows = decode_bench.table_rows(args, HEADER)
     first = next(rows)

@@ -139,9 +139,9 @@ def test_moe_runs_eagerly_between_pieces_and_decode_graphs_name_it(compiled):
     assert _host_sync(ctx).startswith("autodeploy.moe.default (model.layers.0.mlp")
 
 
-def test_state_ops_run_eagerly_between_pieces_and_decode_graphs_name_them(compiled):
-    """The state ops loop over the step's sequences on the host: never inside a captured piece, and
-    no decode graph for the model (the pass table says which op stopped it)."""
+def test_state_ops_run_eagerly_between_pieces_and_decode_graphs_take_them(compiled):
+    """The state ops loop over a prefill step's sequences on the host: never inside a captured piece;
+    their decode steps do not (``ops/state_decode.py``), so they no longer stop decode graphs."""
     from autodeploy.passes.compile_cuda_graphs import _host_sync
 
     model = compiled("nemotron_h")
@@ -152,8 +152,31 @@ def test_state_ops_run_eagerly_between_pieces_and_decode_graphs_name_them(compil
     targets = {str(n.target) for piece in captured for n in piece.graph.nodes}
     assert any(t.startswith("aten.") for t in targets)  # (the pieces do hold the rest)
     assert not any(t.startswith("autodeploy.") and "_cached" in t for t in targets)
-    ctx = type("Ctx", (), {"gm": model.gm})
-    assert _host_sync(ctx).startswith("autodeploy.causal_conv1d_cached.default (model.layers.0.mixer")
+    assert _host_sync(type("Ctx", (), {"gm": model.gm})) is None
+
+
+def test_hybrid_decode_steps_through_the_decode_graph_path_pass_the_canary(compiled, monkeypatch):
+    """The decode-graph path of ``autodeploy.cudagraph`` with the CPU stand-in of a capture (a replay
+    runs the graph module again on the static inputs ``CudaGraphRunner.run`` refilled, padded to the
+    captured size: padding sequences have slot -1 and no tokens): nemotron_h's decode steps at sizes
+    1 and 4 (three sequences: a padding row), through the state ops' batched decode form."""
+    from autodeploy.check import run_check
+    from autodeploy.cudagraph import CudaGraphRunner, DirectStepGraph, _Captured
+    from autodeploy.ops import state_decode
+
+    model = compiled("nemotron_h")
+    runner = CudaGraphRunner(model.gm, model.pool, [1, 4], model.capacity.max_blocks_per_seq)
+    for size in runner.batch_sizes:
+        buffers, pad, inputs = runner._static_step(size)
+        graph = DirectStepGraph()
+        with torch.inference_mode():
+            runner.graphs[size] = _Captured(graph, buffers, pad, graph.capture(model.gm, inputs, "decode", "-"))
+    monkeypatch.setattr(model, "cuda_graphs", runner)
+    decode_rows, conv_step = [], state_decode.conv_step
+    monkeypatch.setattr(state_decode, "conv_step", lambda x, *a: decode_rows.append(x.shape[0]) or conv_step(x, *a))
+    result = run_check(model.path, steps=4, prompt_lens=(5, 7, 3), chunk_size=8, compiled=model)
+    assert result.passed, result.summary()
+    assert 4 in decode_rows and set(decode_rows) == {1, 4}  # every decode step a replay (3 sequences: padded to 4)
 
 
 def test_padding_rows_write_no_cache_slot(compiled):
