@@ -2,7 +2,7 @@
 CUDA graphs (no timing: ``bench/full_table.py --sections decode --shapes bamba2b`` times them). Skipped without CUDA;
 conftest turns the interpreter on, so run
 
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/kernels/test_state_gpu.py
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/gpu/test_state_gpu.py
 """
 
 import os
