@@ -36,6 +36,7 @@ SEQUENCE_OPS = frozenset({  # history kept by the KV cache (attention; MLA: its 
     ad.attention.default, ad.mla.default,
     ad.causal_conv1d.default, ad.ssm_scan.default, ad.gated_delta_rule.default,
     ad.causal_conv1d_cached.default, ad.ssm_scan_cached.default, ad.gated_delta_rule_cached.default,
+    ad.lightning_attention.default, ad.lightning_attention_cached.default,
 })
 TOKEN_LOCAL_CANONICAL_OPS = frozenset({
     ad.repeat_kv.default, ad.rope.default, ad.rms_norm.default, ad.swiglu.default, ad.moe.default,
