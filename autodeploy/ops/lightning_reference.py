@@ -49,5 +49,6 @@ def _lightning_chunk(q, k, v, slopes, state):
     from_state = torch.exp(-slopes[None, :] * (position[:, None] + 1))  # [t, H]: decay of the state to t
     o = o + torch.einsum("thk,th,hkv->thv", q, from_state, state)
     to_end = torch.exp(-slopes[None, :] * (length - 1 - position[:, None]))  # [s, H]
-    new_state = torch.exp(-slopes * length)[:, None, None] * state + torch.einsum("shk,sh,shv->hkv", k, to_end, v)
+    new_state = torch.exp(-slopes * length)[:, None, None] * state
+    new_state = new_state + torch.einsum("shk,sh,shv->hkv", k, to_end, v)
     return o, new_state

@@ -13,7 +13,7 @@ Flattened token layout, like attention: every token of a step is a row of T. Eac
 The math (torch references) is in ``state_reference``; the cached ops run it sequence by sequence
 on every device (a host loop over ``cu_seqlens``: it synchronizes, so ``compile_cuda_graphs`` captures
 no decode graph for a model with state ops, and piecewise graphs run them eagerly between the
-pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM and delta-rule outputs are fp32 (the state's precision); the convolution
+pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM, delta-rule and lightning outputs are fp32 (the state's precision); the convolution
 keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
 """
 

@@ -24,8 +24,9 @@ def _gen(seed=0):
 
 def _inputs(length: int, seed: int = 0) -> dict:
     gen = _gen(seed)
-    return {"q": torch.randn(length, HEADS, K, generator=gen), "k": torch.randn(length, HEADS, K, generator=gen),
-            "v": torch.randn(length, HEADS, V, generator=gen), "slopes": torch.rand(HEADS, generator=gen) + 0.05}
+    q, k = (torch.randn(length, HEADS, K, generator=gen) for _ in range(2))
+    return {"q": q, "k": k, "v": torch.randn(length, HEADS, V, generator=gen),
+            "slopes": torch.rand(HEADS, generator=gen) + 0.05}
 
 
 @pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (16, 4), (37, 16)])
@@ -42,7 +43,8 @@ def test_is_the_ssm_recurrence_with_unit_steps():
     inputs, state = _inputs(9), torch.randn(HEADS, K, V, generator=_gen(1))
     out, final = lightning_recurrent(**inputs, state=state)
     q, k, v, slopes = inputs.values()
-    y, ssm_final = state_reference.ssm_recurrent(v, torch.ones(9, HEADS), -slopes, k, q, state.transpose(1, 2))
+    unit_steps = torch.ones(9, HEADS)
+    y, ssm_final = state_reference.ssm_recurrent(v, unit_steps, -slopes, k, q, state.transpose(1, 2))
     torch.testing.assert_close(out, y)
     torch.testing.assert_close(final, ssm_final.transpose(1, 2))
 
@@ -71,7 +73,8 @@ def test_op_matches_hf_blocks_then_decode_steps_and_its_cached_state():
         torch.testing.assert_close(ad.lightning_attention(*prompt, slopes), out[0])
         for t in range(37, 40):
             token = [x[t : t + 1] for x in (q, k, v)]
-            out.append(ad.lightning_attention_cached(*token, slopes, state, **Step(seqs=((0, t, 1),)).metadata()))
+            decode = Step(seqs=((0, t, 1),)).metadata()
+            out.append(ad.lightning_attention_cached(*token, slopes, state, **decode))
         got = _finish(layer, torch.cat(out), hidden[0])
     torch.testing.assert_close(got[None], want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(state[0], cache.linear_cache[0][0], atol=1e-5, rtol=1e-4)

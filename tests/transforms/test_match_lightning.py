@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autodeploy.errors import PassError
+from autodeploy.graph.rewrite import apply_rule
 from autodeploy.testing import check_rewrite, export_for_test, pass_runner
 from autodeploy.tiny import tiny_config
 from autodeploy.transforms import match_lightning
@@ -73,22 +74,20 @@ def test_decays_that_are_not_buffers_are_left_alone():
             query_decay, diagonal_decay = decay_buffers(slopes, 6)
             return match_lightning.first_block_zeros_to(q, k, v, query_decay, diagonal_decay)
 
-    check = check_rewrite(FromInputs(), (*_qkv(3), torch.rand(2)), MatchLightningAttention(), expected_matches=0,
-                          dynamic=_TOKENS)
+    inputs = (*_qkv(3), torch.rand(2))
+    check = check_rewrite(FromInputs(), inputs, MatchLightningAttention(), expected_matches=0, dynamic=_TOKENS)
     assert [r.split(": ", 1)[1] for r in check.result.reasons] == ["the decays are not the layer's buffers"]
 
 
 def test_two_sequences_are_left_alone():
-    check = check_rewrite(_Block(match_lightning.first_block_zeros_to), _qkv(3, batch=2), MatchLightningAttention(),
-                          expected_matches=0, dynamic=_TOKENS)
+    block = _Block(match_lightning.first_block_zeros_to)
+    check = check_rewrite(block, _qkv(3, batch=2), MatchLightningAttention(), expected_matches=0, dynamic=_TOKENS)
     assert check.result.reasons and "not one sequence" in check.result.reasons[0]
 
 
 def test_a_layer_exported_over_two_blocks_is_left_alone_and_refused():
     gm = export_for_test(_HFLayer(block_size=4), (torch.randn(8, 64),), {0: 0})
-    from autodeploy.graph.rewrite import apply_rule
-
     assert apply_rule(gm, MatchLightningAttention(), provenance="test").matches == 0
-    with pytest.raises(PassError, match=r"check_uncached_state' failed: the layer with state the KV cache does not "
-                                        r"hold in attn \(MiniMaxLightningAttention\) is not supported"):
+    refusal = r"the layer with state the KV cache does not hold in attn \(MiniMaxLightningAttention\) is not supported"
+    with pytest.raises(PassError, match=r"check_uncached_state' failed: " + refusal):
         pass_runner("check_uncached_state")(gm)
