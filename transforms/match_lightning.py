@@ -12,17 +12,23 @@ is the recurrence it computes over all T rows as one sequence, ``lightning_atten
 the state pool keeps later. transformers 5.17 makes the zero state and moves it to the values' dtype
 (``.to(v)``), 5.25 makes it in that dtype: two spellings of one pattern.
 
-The per-head slope (decay ``exp(-slope)`` per token) is read off the ``query_decay`` buffer in the
-graph (``query_decay[h, 0] = exp(-slope_h)``): the ``slope_rate`` buffer only feeds the dead state
-update. A model exported over more than one block (``block_size`` below the export's token count)
-does not match, and ``check_uncached_state`` refuses it.
+The per-head slopes (decay ``exp(-slope)`` per token) are the layer's ``slope_rate`` buffer, beside its
+``query_decay``: export dropped it (it feeds only the dead state update), so the rule reads it into the
+graph again (loaded from the checkpoint like the other buffers). Reading them off the decays instead
+(``query_decay[h, 0] = exp(-slope_h)``) would lose them in bf16: exp(-0.01) rounds to within 2^-8 of
+1, a fifth of the slope. A layer without that buffer, or exported over more than one block
+(``block_size`` below the export's token count), does not match, and ``check_uncached_state`` refuses it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch import fx
+
+from autodeploy.export import get_tensor_attr
 from autodeploy.graph.matcher import Match
+from autodeploy.graph.meta import fake_mode_of
 from autodeploy.graph.rewrite import PatternSpec, RewriteRule
 
 aten = torch.ops.aten
@@ -86,15 +92,42 @@ class MatchLightningAttention(RewriteRule):
             return "the decays are not the layer's buffers"
         if query_decay.dim() != 3 or query_decay.shape[0] != q.shape[1]:
             return f"query_decay {tuple(query_decay.shape)} is not one row of decays per head"
+        slopes = _slope_buffer(gm, m)
+        if slopes is None or slopes.numel() != q.shape[1]:
+            return f"no slope_rate buffer of one slope per head beside {m['query_decay'].target}"
         return None
 
+    def replacement_kwargs(self, m: Match, gm) -> dict:
+        buffer = _slope_buffer(gm, m)
+        with gm.graph.inserting_before(m.anchor):
+            node = gm.graph.create_node("get_attr", _slope_name(m))
+        with fake_mode_of(gm):
+            node.meta["val"] = torch.empty(buffer.shape, dtype=buffer.dtype)
+        return {**m.bindings, "slope_rate": node}
+
     def verification_inputs(self, m: Match, values: dict) -> None:
+        """Decays and slopes of one random set of slopes (the slopes' get_attr node is the newest one)."""
         query_decay = values[m["query_decay"]]
         slopes = torch.rand(query_decay.shape[0]) * 0.5 + 0.05
         values[m["query_decay"]], values[m["diagonal_decay"]] = decay_buffers(slopes, query_decay.shape[1])
+        slope_node = m.anchor.graph.find_nodes(op="get_attr", target=_slope_name(m))[-1]
+        values[slope_node] = slopes[:, None, None]
 
-    def replacement(self, q, k, v, query_decay, diagonal_decay):
-        slopes = aten.neg.default(aten.log.default(aten.select.int(aten.select.int(query_decay, 2, 0), 1, 0)))
+    def replacement(self, q, k, v, query_decay, diagonal_decay, slope_rate):
+        slopes = aten.reshape.default(slope_rate, [-1])
         rows = [aten.squeeze.dim(aten.transpose.int(t, 1, 2), 0) for t in (q, k, v)]  # [T, H, D]
         out = torch.ops.autodeploy.lightning_attention.default(*rows, slopes)
         return aten.transpose.int(aten.unsqueeze.default(out, 0), 1, 2)
+
+
+def _slope_name(m: Match) -> str:
+    """The ``slope_rate`` buffer of the module whose ``query_decay`` the match read."""
+    module = m["query_decay"].target.rpartition(".")[0]
+    return f"{module}.slope_rate" if module else "slope_rate"
+
+
+def _slope_buffer(gm: fx.GraphModule, m: Match) -> torch.Tensor | None:
+    try:
+        return get_tensor_attr(gm, _slope_name(m))
+    except AttributeError:
+        return None

@@ -1,7 +1,7 @@
 """match_lightning_attention on HF's own MiniMax layer (one block from the zero state, as export sees a
 step shorter than a block) and on both spellings of the pattern; what it must leave alone: a layer
 exported over two blocks (refused then by check_uncached_state, naming it), decays that are not the
-layer's buffers, a batch of two sequences. The layer over several blocks and decode steps is checked
+layer's buffers, a layer without its ``slope_rate`` buffer, a batch of two sequences. The layer over several blocks and decode steps is checked
 against HF in tests/kernels/test_lightning_reference.py and by the zoo (``minimax``)."""
 
 import pytest
@@ -43,12 +43,17 @@ def test_hf_layer_matches_and_equals_eager():
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, fn, heads=2, buffer=6):
+    """A pattern function over the decay buffers of random slopes, ``slope_rate`` beside them as in HF."""
+
+    def __init__(self, fn, heads=2, buffer=6, slope_rate=True):
         super().__init__()
         self.fn = fn
-        query_decay, diagonal_decay = decay_buffers(torch.rand(heads) + 0.05, buffer)
+        slopes = torch.rand(heads) + 0.05
+        query_decay, diagonal_decay = decay_buffers(slopes, buffer)
         self.register_buffer("query_decay", query_decay)
         self.register_buffer("diagonal_decay", diagonal_decay)
+        if slope_rate:
+            self.register_buffer("slope_rate", slopes[:, None, None])
 
     def forward(self, q, k, v):
         return self.fn(q, k, v, self.query_decay, self.diagonal_decay)
@@ -77,6 +82,13 @@ def test_decays_that_are_not_buffers_are_left_alone():
     inputs = (*_qkv(3), torch.rand(2))
     check = check_rewrite(FromInputs(), inputs, MatchLightningAttention(), expected_matches=0, dynamic=_TOKENS)
     assert [r.split(": ", 1)[1] for r in check.result.reasons] == ["the decays are not the layer's buffers"]
+
+
+def test_a_layer_without_its_slopes_is_left_alone():
+    check = check_rewrite(_Block(match_lightning.first_block_zeros_to, slope_rate=False), _qkv(3),
+                          MatchLightningAttention(), expected_matches=0, dynamic=_TOKENS)
+    assert [r.split(": ", 1)[1] for r in check.result.reasons] == [
+        "no slope_rate buffer of one slope per head beside query_decay"]
 
 
 def test_two_sequences_are_left_alone():
