@@ -23,7 +23,6 @@ graph again (loaded from the checkpoint like the other buffers). Reading them of
 from __future__ import annotations
 
 import torch
-
 from torch import fx
 
 from autodeploy.export import get_tensor_attr
@@ -106,7 +105,7 @@ class MatchLightningAttention(RewriteRule):
         return {**m.bindings, "slope_rate": node}
 
     def verification_inputs(self, m: Match, values: dict) -> None:
-        """Decays and slopes of one random set of slopes (the slopes' get_attr node is the newest one)."""
+        """Decays and slopes of one random set of slopes (the slopes' node: the one replacement_kwargs made)."""
         query_decay = values[m["query_decay"]]
         slopes = torch.rand(query_decay.shape[0]) * 0.5 + 0.05
         values[m["query_decay"]], values[m["diagonal_decay"]] = decay_buffers(slopes, query_decay.shape[1])
