@@ -1,8 +1,8 @@
 """The suite's correctness section: what the GPU computes, checked before its speed is believed.
 
 - the canary (``autodeploy check``: compiled model vs HF eager, fp32) on tiny llama, gemma2 and qwen3, and the
-  Mamba-2 hybrids nemotron_h and bamba (their state ops and state pool on CUDA), with each attention backend of
-  ``--backends``;
+  Mamba-2 hybrids nemotron_h and bamba and the lightning-attention hybrid minimax (their state ops and state pool
+  on CUDA), with each attention backend of ``--backends``;
 - the engine with async scheduling (CUDA graphs reading the previous step's tokens on the device) against the
   engine without it: every request must generate the same tokens (greedy, seeded sampling, stop ids);
 - 64-step greedy equality of the model shape as served (Triton, fusions, CUDA graphs) against the same
@@ -40,7 +40,7 @@ def table_rows(args, header) -> Iterator[TableRow]:
     from autodeploy.tiny import make_tiny_checkpoint
 
     tmp = tempfile.mkdtemp()
-    for arch in ("llama", "gemma2", "qwen3", "nemotron_h", "bamba"):
+    for arch in ("llama", "gemma2", "qwen3", "nemotron_h", "bamba", "minimax"):
         path = make_tiny_checkpoint(arch, f"{tmp}/{arch}")
         for backend in args.backends.split(","):
             start = time.perf_counter()
