@@ -88,6 +88,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1],
                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                    "linear_value_head_dim": 16},  # dense; its Gated DeltaNet layer is refused (zoo README)
+    # lightning (linear) attention layer 0 in blocks of 16 (the canary's 40-token prompts span three), full
+    # attention layer 1, MoE in both
+    "minimax": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "block_size": 16,
+                "num_local_experts": 4, "num_experts_per_tok": 2},
     # Mamba-2 hybrids: layer 0 Mamba-2 (8 heads of 16, 2 groups, state 16, chunks of 16 so the canary's
     # 40-token prompts span three), layer 1 attention
     "bamba": {**_MAMBA2, "attn_layer_indices": [1]},

@@ -99,6 +99,7 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     assert counts.get(op) == layers, f"attention layers not all canonicalized: {counts}"
     state_ops = (counts.get("ssm_scan_cached", 0), counts.get("causal_conv1d_cached", 0))
     assert state_ops == (zoo_model.state_layers,) * 2, f"state layers not all canonicalized: {counts}"
+    assert counts.get("lightning_attention_cached", 0) == zoo_model.lightning_layers, f"lightning layers: {counts}"
     assert attention_flags(compiled, "sliding_window", op) == list(zoo_model.windows)
     assert attention_flags(compiled, "chunk_size", op) == list(zoo_model.chunks)
     assert [s is not None for s in attention_flags(compiled, "alibi_slopes", op)] == [zoo_model.alibi] * layers

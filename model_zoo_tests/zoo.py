@@ -9,7 +9,8 @@ real reason when an architecture cannot pass yet (the README lists the same reas
 error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
 a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
 (preemption) and an abort. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
-scan, each with its causal convolution), kept in the state pool beside the KV cache; ``attention_layers``
+scan, each with its causal convolution), ``lightning_layers`` those with lightning attention (MiniMax's
+decayed linear attention), both kept in the state pool beside the KV cache; ``attention_layers``
 the paged-attention layers when not every layer has one.
 """
 
@@ -30,6 +31,7 @@ class ZooModel:
     sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
     state_layers: int = 0  # ssm_scan_cached (and as many causal_conv1d_cached) in the compiled graph
+    lightning_layers: int = 0  # lightning_attention_cached in the compiled graph
     attention_layers: int | None = None  # None: every layer
     xfail: str | None = None
     refused: str | None = None  # the compile must stop with an error matching this (what we cannot run)
@@ -102,6 +104,9 @@ ZOO: tuple[ZooModel, ...] = (
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, moe_layers=2),
     ZooModel("falcon_h1", "attention and Mamba-2 side by side in every layer, muP multipliers (a buffer its model's "
              "_init_weights fills), state pool", state_layers=2),
+    ZooModel("minimax", "lightning attention (decayed linear attention in blocks of 16, the prompts span three) + "
+             "full attention layer, MoE in both: state pool", windows=(None,), chunks=(None,), lightning_layers=1,
+             attention_layers=1, moe_layers=2, engine=True),
     ZooModel("dots1", "DeepSeek-style sigmoid routing with a correction bias and a shared expert; layer 0 dense",
              moe_layers=1),
     ZooModel("gpt_oss", "attention sinks, sliding (8) + full layer, YaRN; MoE with a biased router, transposed "

@@ -1,7 +1,7 @@
 """insert_state_cache: the state ops over one sequence -> their cached forms over the state pool.
 
-Each ``causal_conv1d`` / ``ssm_scan`` / ``gated_delta_rule`` (canonicalization's ops: all T rows one
-sequence, zero initial state) becomes its ``*_cached`` op (``autodeploy.ops.state_ops``) reading
+Each ``causal_conv1d`` / ``ssm_scan`` / ``gated_delta_rule`` / ``lightning_attention`` (canonicalization's
+ops: all T rows one sequence, zero initial state) becomes its ``*_cached`` op (``autodeploy.ops.state_ops``) reading
 and writing its own state tensor, a new graph input ``state_cache_<i>`` [slots, *shape], at the
 slots the batch metadata names (``state_slots``, with ``cu_seqlens`` and ``context_lens``). The
 per-op state specs go to ``ctx.artifacts["state_specs"]`` for allocate_kv_cache, which sizes the
@@ -63,6 +63,8 @@ def state_spec(node: fx.Node) -> StateSpec:
         x, B = vals[0], vals[3]
         return StateSpec("ssm", (int(x.shape[1]), int(x.shape[2]), int(B.shape[2])), torch.float32)
     k, v = vals[1], vals[2]
+    if node.target == ad.lightning_attention.default:
+        return StateSpec("lightning", (int(v.shape[1]), int(k.shape[2]), int(v.shape[2])), torch.float32)
     return StateSpec("delta", (int(v.shape[1]), int(k.shape[2]), int(v.shape[2])), torch.float32)
 
 

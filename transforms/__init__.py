@@ -25,5 +25,6 @@ for _name, _target in {
     "match_moe": "autodeploy.transforms.match_moe:MatchMoE",
     "match_causal_conv1d": "autodeploy.transforms.match_causal_conv1d:MatchCausalConv1d",
     "match_mamba2_ssd": "autodeploy.transforms.match_mamba:MatchMamba2SSD",
+    "match_lightning_attention": "autodeploy.transforms.match_lightning:MatchLightningAttention",
 }.items():
     RULES.register_lazy(_name, _target)

@@ -4,7 +4,7 @@ a token's output depends on other tokens.
 In the flattened layout every token of a step is a row of one dimension T, whatever sequence it
 belongs to, and a decode step holds one token per sequence. So a graph computes the right thing
 only if every op keeps the rows apart (token-local), except the canonical attention, whose history
-the paged KV cache keeps, and the state ops (``ops/state_ops.py``: SSM scan, gated delta rule,
+the paged KV cache keeps, and the state ops (``ops/state_ops.py``: SSM scan, gated delta rule, lightning attention,
 causal convolution), whose history the state pool keeps. Anything else that mixes rows (a scan or a convolution over tokens, a
 recurrent state, padding the tokens into chunks, a sum over them, the row index used as a value) is
 state the cache does not hold: decoding would silently drop it.
@@ -36,6 +36,7 @@ SEQUENCE_OPS = frozenset({  # history kept by the KV cache (attention; MLA: its 
     ad.attention.default, ad.mla.default,
     ad.causal_conv1d.default, ad.ssm_scan.default, ad.gated_delta_rule.default,
     ad.causal_conv1d_cached.default, ad.ssm_scan_cached.default, ad.gated_delta_rule_cached.default,
+    ad.lightning_attention.default, ad.lightning_attention_cached.default,
 })
 TOKEN_LOCAL_CANONICAL_OPS = frozenset({
     ad.repeat_kv.default, ad.rope.default, ad.rms_norm.default, ad.swiglu.default, ad.moe.default,

@@ -20,7 +20,7 @@ import torch
 class StateSpec:
     """One stateful op's state per sequence, read off the graph by insert_state_cache."""
 
-    kind: str  # "conv", "ssm" or "delta": which cached op reads it
+    kind: str  # "conv", "ssm", "delta" or "lightning": which cached op reads it
     shape: tuple[int, ...]
     dtype: torch.dtype
 

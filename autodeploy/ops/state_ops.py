@@ -2,7 +2,7 @@
 
 Flattened token layout, like attention: every token of a step is a row of T. Each op comes twice:
 
-- the plain op (``causal_conv1d``, ``ssm_scan``, ``gated_delta_rule``) treats all T rows as ONE
+- the plain op (``causal_conv1d``, ``ssm_scan``, ``gated_delta_rule``, ``lightning_attention``) treats all T rows as ONE
   sequence starting from a zero state: what canonicalization produces from the HF code (which runs
   without a cache when exported);
 - the ``*_cached`` op, which ``insert_state_cache`` puts in its place: the rows are the sequences of
@@ -10,13 +10,14 @@ Flattened token layout, like attention: every token of a step is a row of T. Eac
   tensor (``state_slots`` [B]; a sequence with ``context_lens == 0`` starts from zeros, and slot -1
   marks padding: zeros, nothing written) and writes its final state back to that slot.
 
-The math (torch references) is in ``state_reference``. A decode step (one token per sequence:
-``T == B``) runs ``state_decode``'s batched one-token update (Triton kernels on CUDA): no host
-loop, so ``compile_cuda_graphs`` captures decode graphs of models with state ops
-(``DECODE_CAPTURABLE_OPS``). Any other step runs the references sequence by sequence (a host loop
-over ``cu_seqlens``: it synchronizes, so piecewise graphs run these ops eagerly between the pieces,
-as ``graph.split.HOST_SYNC_OPS`` says). SSM and delta-rule outputs are fp32 (the state's
-precision); the convolution keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
+The math (torch references) is in ``state_reference`` (lightning attention's in ``lightning_reference``).
+A decode step (one token per sequence: ``T == B``) of the conv, SSM and delta-rule ops runs
+``state_decode``'s batched one-token update (Triton kernels on CUDA): no host loop, so
+``compile_cuda_graphs`` captures decode graphs of models with only those (``DECODE_CAPTURABLE_OPS``).
+Any other step, and every step of lightning attention, runs the references sequence by sequence (a
+host loop over ``cu_seqlens``: it synchronizes, so piecewise graphs run these ops eagerly between the
+pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM, delta-rule and lightning outputs are fp32 (the
+state's precision); the convolution keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from . import state_decode as decode
 from . import state_reference as ref
+from .lightning_reference import lightning_chunked, lightning_recurrent
 
 # ---- one sequence, zero initial state (canonicalization) ------------------------------------------
 
@@ -65,6 +67,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 @gated_delta_rule.register_fake
 def _(q, k, v, g, beta):
+    return torch.empty_like(v, dtype=torch.float32)
+
+
+@torch.library.custom_op("autodeploy::lightning_attention", mutates_args=())
+def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """Lightning (decayed linear) attention over the rows as one sequence: q/k [T, H, K], v [T, H, V],
+    slopes [H] (decay exp(-slope) per token) -> o [T, H, V] fp32."""
+    state = v.new_zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    return lightning_chunked(q, k, v, slopes, state)[0]
+
+
+@lightning_attention.register_fake
+def _(q, k, v, slopes):
     return torch.empty_like(v, dtype=torch.float32)
 
 
@@ -135,6 +150,25 @@ def _(q, k, v, g, beta, delta_state, state_slots, cu_seqlens, context_lens):
     return torch.empty_like(v, dtype=torch.float32)
 
 
+@torch.library.custom_op("autodeploy::lightning_attention_cached", mutates_args=("lightning_state",))
+def lightning_attention_cached(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, lightning_state: torch.Tensor,
+    state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """``lightning_attention`` per sequence; lightning_state [slots, H, K, V] fp32."""
+    def run(rows, one_token, initial):
+        form = lightning_recurrent if one_token else lightning_chunked
+        return form(q[rows], k[rows], v[rows], slopes, initial)
+
+    out = torch.zeros_like(v, dtype=torch.float32)
+    return _run_sequences(out, lightning_state, state_slots, cu_seqlens, context_lens, run)
+
+
+@lightning_attention_cached.register_fake
+def _(q, k, v, slopes, lightning_state, state_slots, cu_seqlens, context_lens):
+    return torch.empty_like(v, dtype=torch.float32)
+
+
 def _run_sequences(out, state, slots, cu_seqlens, context_lens, run):
     """``run(rows, one_token, initial state) -> (outputs, final state)`` for every sequence of the step,
     its outputs written to ``out[rows]`` and its final state to its slot."""
@@ -159,6 +193,7 @@ STATE_OPS = {  # plain op -> its cached form
     torch.ops.autodeploy.causal_conv1d.default: torch.ops.autodeploy.causal_conv1d_cached.default,
     torch.ops.autodeploy.ssm_scan.default: torch.ops.autodeploy.ssm_scan_cached.default,
     torch.ops.autodeploy.gated_delta_rule.default: torch.ops.autodeploy.gated_delta_rule_cached.default,
+    torch.ops.autodeploy.lightning_attention.default: torch.ops.autodeploy.lightning_attention_cached.default,
 }
 # the cached ops whose decode steps never synchronize with the host (their other steps do): an op
 # is listed here only once its decode step goes through ``state_decode``

@@ -8,7 +8,8 @@ a step.
 
 Mamba-2 SSD (``ssm``): per head h, state S [P, N]; per token t with ``a = exp(dt_t * A_h)``:
 ``S = a * S + dt_t * x_t (outer) B_t``, ``y_t = S @ C_t``. B and C have G groups, head h reads group
-``h // (H / G)``. MiniMax's lightning attention is this with dt = 1, A = -slope, B = k, C = q, x = v.
+``h // (H / G)``. MiniMax's lightning attention is this with dt = 1, A = -slope, B = k, C = q, x = v
+(its own references: ``lightning_reference``).
 
 Gated DeltaNet (``delta``): per head h, state S [K, V]; per token, with q and k already normalized:
 ``S = exp(g_t) * S``, ``S = S + k_t (outer) (beta_t * (v_t - S^T k_t))``, ``o_t = S^T q_t``. q and k

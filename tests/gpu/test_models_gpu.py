@@ -15,6 +15,7 @@ from autodeploy.tiny import make_tiny_checkpoint
 
 pytestmark = [*ON_CUDA, pytest.mark.slow]
 ARCHS = ("llama", "gemma2", "qwen3", "nemotron_h", "bamba",  # the Mamba-2 hybrids: state ops and pool on CUDA
+         "minimax",  # lightning attention's state op
          "llama4_text", "bloom", "mpt", "gpt_neo", "xglm")  # chunked attention, ALiBi, select/bmm attention
 
 
