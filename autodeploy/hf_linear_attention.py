@@ -4,25 +4,26 @@
 Qwen3-Next (and Qwen3.5, OLMo-Hybrid, which share the function) compute their linear attention with
 ``torch_chunk_gated_delta_rule``: a Python loop over 64-token chunks and, under ``torch.export``, a
 64-step forward substitution, unrolled into the graph, which no rewrite rule can sensibly recognise.
-transformers has a seam for replacing that function with a kernel, and we cannot use it:
+transformers routes the function through ``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule",
+"fla")``, a seam with two halves:
 
-- ``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`` binds the original
-  package's function (``fla.ops.gated_delta_rule``) once, when the modeling module is imported, and
-  its wrapper calls the torch code whenever ``is_torchdynamo_exporting()`` (5.17 and 5.25 alike): a
-  provider installed as ``fla`` is never called during an export;
-- the hub route (``kernels.use_kernel_forward_from_hub`` + ``kernelize`` with a kernel mapping) needs
-  the ``kernels`` package, whose accepted versions do not overlap between 5.17 (0.16.x) and 5.25
-  (0.19.x), a kernel repository built on disk, and, once installed, turns every decorated function
-  and layer of every model into a module.
+- the package half binds the original package's function (``fla.ops.gated_delta_rule``) once, when the
+  modeling module is imported, and calls the torch code whenever ``is_torchdynamo_exporting()`` (5.17
+  and 5.25 alike): a provider installed as ``fla`` is never called during an export;
+- the hub half (the ``kernels`` package): each layer's private wrapper of the function
+  (``use_kernelized_func``) is replaced by ``kernels.kernelize`` with the layer a kernel mapping names.
+  This is the seam we use: our repository (:class:`_Provider`) hands ``kernelize`` a layer computing
+  :func:`chunk_gated_delta_rule`, FLA's signature through the canonical op. transformers 5.25 requires
+  ``kernels`` (0.19.x), so its layers always have the wrappers.
 
-So we provide the function where the layer looks it up: :func:`provide_gated_delta_rule` rebinds the
-name ``torch_chunk_gated_delta_rule`` in the modeling module of each of the model's layers that has
-it, for the export only (restored afterwards), to :func:`chunk_gated_delta_rule`, FLA's signature
-computed by the canonical op. It is a module-attribute patch, scoped and checked: the function it
-replaces must have the signature we implement, else the export fails naming it; a call outside what
-we implement (an initial state, packed sequences) fails the export too. A Gated DeltaNet layer this
-does not reach (another function name, a remote-code model) exports as the unrolled torch code, which
-``check_uncached_state`` refuses, naming the layer.
+transformers 5.17 leaves ``kernels`` an optional extra, in a version window (0.16.x) that does not
+overlap 5.25's, so a 5.17 install usually has no wrappers. There we provide the function where the
+layer looks it up instead: the modeling module's global ``torch_chunk_gated_delta_rule`` is rebound to
+:func:`chunk_gated_delta_rule` for the export only (restored afterwards); a module-attribute patch,
+scoped and checked: the function it replaces must have the signature we implement, else the export
+fails naming it. Either way a call outside what we implement (an initial state, packed sequences)
+fails the export, and a Gated DeltaNet layer neither reaches (another function, a remote-code model)
+exports as its unrolled torch code, which ``check_uncached_state`` refuses, naming the layer.
 """
 
 from __future__ import annotations
@@ -80,19 +81,73 @@ def _refuse_unsupported(query, initial_state, output_final_state, kwargs) -> Non
 
 @contextlib.contextmanager
 def provide_gated_delta_rule(model: torch.nn.Module) -> Iterator[list[str]]:
-    """For the duration of the block, every modeling module of ``model``'s layers that defines
-    ``torch_chunk_gated_delta_rule`` calls :func:`chunk_gated_delta_rule` instead (yields their names)."""
-    modules = _modules_with_the_function(model)
+    """While the block runs, ``model``'s Gated DeltaNet layers compute :func:`chunk_gated_delta_rule`.
+
+    Layers with transformers' kernel wrapper are kernelized with our layer (the wrapper keeps it: the
+    model is built for the export); the modeling modules of the others that define
+    ``torch_chunk_gated_delta_rule`` have the name rebound until the block ends. Yields what was
+    provided: ``kernelized:<layer path>`` and ``patched:<module name>`` entries.
+    """
+    provided = [f"kernelized:{path}" for path in _kernelize_wrappers(model)]
+    modules = _modules_with_the_function(model) if not provided else []
     originals = {module: getattr(module, HF_NAME) for module in modules}
     for module, original in originals.items():
         _check_signature(module, original)
     try:
         for module in modules:
             setattr(module, HF_NAME, chunk_gated_delta_rule)
-        yield [module.__name__ for module in modules]
+        yield provided + [f"patched:{module.__name__}" for module in modules]
     finally:
         for module, original in originals.items():
             setattr(module, HF_NAME, original)
+
+
+# ---- the seam: transformers' kernel wrappers (the ``kernels`` package) ------------------------------
+
+KERNEL_NAME = "chunk_gated_delta_rule"  # the wrapper's kernel layer name in transformers
+
+
+class _DeltaRuleLayer(torch.nn.Module):
+    """The layer our repository hands ``kernels.kernelize``: stateless, with the wrapped function's
+    signature (``kernelize`` checks it against the wrapper's: a changed function fails the export)."""
+
+    has_backward = False  # inference only
+
+    def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+        return chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                                      use_qk_l2norm_in_kernel, **kwargs)
+
+
+class _Provider:
+    """A kernel repository (``kernels``' ``RepositoryProtocol``) that needs no download: our layer."""
+
+    def load(self) -> type[torch.nn.Module]:
+        return _DeltaRuleLayer
+
+    def __str__(self) -> str:
+        return "autodeploy (the gated_delta_rule op)"
+
+
+_PROVIDER = _Provider()  # one instance: kernels memoizes the loaded layer per repository
+
+
+def _kernelize_wrappers(model: torch.nn.Module) -> list[str]:
+    """Kernelize every layer's ``chunk_gated_delta_rule`` wrapper with our layer; their layer paths."""
+    wrappers = {path: m._kernel_funcs[KERNEL_NAME] for path, m in model.named_modules()
+                if KERNEL_NAME in getattr(m, "_kernel_funcs", {})}
+    if not wrappers:
+        return []
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    with use_kernel_mapping({KERNEL_NAME: {"cpu": _PROVIDER}}, inherit_mapping=False):
+        for wrapper in wrappers.values():
+            # the device only picks the mapping's entry: the op runs wherever the compiled model does
+            kernelize(wrapper, mode=Mode.INFERENCE, device="cpu", use_fallback=False)
+    return list(wrappers)
+
+
+# ---- without the seam: the modeling module's name, for the export only -------------------------------
 
 
 def _modules_with_the_function(model: torch.nn.Module) -> list[ModuleType]:

@@ -67,11 +67,14 @@ def _deltanet_layer() -> torch.nn.Module:
 
 
 def test_a_gated_deltanet_layer_exports_as_the_state_ops_and_equals_hf_eager():
-    layer = _deltanet_layer()
-    inputs = torch.randn(1, 8, layer.hidden_size)
+    """Through transformers' kernel seam where the layer has the wrapper (5.25: ``kernels`` is required),
+    through the modeling module's name otherwise (5.17 without ``kernels``), restored afterwards."""
+    layer, hf_layer = _deltanet_layer(), _deltanet_layer()  # the same weights; hf_layer is never provided for
+    seam = hasattr(layer, "_kernel_funcs")
     with provide_gated_delta_rule(layer) as provided:
-        gm = export_for_test(layer, (inputs,), {0: 1})
-    assert provided == [hf_qwen3_next.__name__] and hf_qwen3_next.torch_chunk_gated_delta_rule is HF_CHUNKED
+        gm = export_for_test(layer, (torch.randn(1, 8, layer.hidden_size),), {0: 1})
+    assert provided == (["kernelized:"] if seam else [f"patched:{hf_qwen3_next.__name__}"])
+    assert hf_qwen3_next.torch_chunk_gated_delta_rule is HF_CHUNKED
     pass_runner("canonicalize_norms", rules=["match_gated_rms_norm"])(gm)
     pass_runner("canonicalize_state", rules=["match_causal_conv1d"])(gm)
     pass_runner("check_uncached_state")(gm)
@@ -81,7 +84,7 @@ def test_a_gated_deltanet_layer_exports_as_the_state_ops_and_equals_hf_eager():
     for tokens in (8, 70):  # 70: two chunks of the op's reference
         x = torch.randn(1, tokens, layer.hidden_size)
         with torch.no_grad():
-            torch.testing.assert_close(gm(x), layer(x), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(gm(x), hf_layer(x), atol=1e-5, rtol=1e-4)
 
 
 def test_a_model_without_the_function_is_left_alone():
@@ -115,4 +118,23 @@ def test_a_changed_transformers_function_fails_the_export_naming_it(monkeypatch)
     monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
     with pytest.raises(ExportError, match=r"fake_modeling_deltanet\.torch_chunk_gated_delta_rule takes .*scale"):
         with provide_gated_delta_rule(layer_class()):
+            pass
+
+
+def test_a_changed_function_behind_the_kernel_seam_is_refused():
+    """Where transformers wraps the function for ``kernels``, kernelize itself compares our layer's
+    signature with the wrapped function's."""
+    kernels = pytest.importorskip("kernels")
+
+    @kernels.use_kernel_forward_from_hub("chunk_gated_delta_rule")
+    def changed(query, key, value, g, beta, scale=None):
+        return value
+
+    @kernels.use_kernelized_func(changed)
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return changed(x, x, x, x, x)
+
+    with pytest.raises(TypeError, match="Forward signature of autodeploy .* does not match"):
+        with provide_gated_delta_rule(Layer()):
             pass
