@@ -17,7 +17,8 @@ transformers routes the function through ``use_kernel_func_from_hub_with_fallbac
   ``kernels`` (0.19.x), so its layers always have the wrappers.
 
 transformers 5.17 leaves ``kernels`` an optional extra, in a version window (0.16.x) that does not
-overlap 5.25's, so a 5.17 install usually has no wrappers. There we provide the function where the
+overlap 5.25's, so a 5.17 install usually has no wrappers (and with kernels 0.16 the layers share the
+module's global one, which kernelizing would change for the whole process). There we provide the function where the
 layer looks it up instead: the modeling module's global ``torch_chunk_gated_delta_rule`` is rebound to
 :func:`chunk_gated_delta_rule` for the export only (restored afterwards); a module-attribute patch,
 scoped and checked: the function it replaces must have the signature we implement, else the export
@@ -92,7 +93,7 @@ def provide_gated_delta_rule(model: torch.nn.Module) -> Iterator[list[str]]:
     modules = _modules_with_the_function(model) if not provided else []
     originals = {module: getattr(module, HF_NAME) for module in modules}
     for module, original in originals.items():
-        _check_signature(module, original)
+        _check_parameters(f"{module.__name__}.{HF_NAME}", tuple(inspect.signature(original).parameters))
     try:
         for module in modules:
             setattr(module, HF_NAME, chunk_gated_delta_rule)
@@ -109,7 +110,7 @@ KERNEL_NAME = "chunk_gated_delta_rule"  # the wrapper's kernel layer name in tra
 
 class _DeltaRuleLayer(torch.nn.Module):
     """The layer our repository hands ``kernels.kernelize``: stateless, with the wrapped function's
-    signature (``kernelize`` checks it against the wrapper's: a changed function fails the export)."""
+    signature (``kernelize`` compares the two)."""
 
     has_backward = False  # inference only
 
@@ -133,12 +134,21 @@ _PROVIDER = _Provider()  # one instance: kernels memoizes the loaded layer per r
 
 
 def _kernelize_wrappers(model: torch.nn.Module) -> list[str]:
-    """Kernelize every layer's ``chunk_gated_delta_rule`` wrapper with our layer; their layer paths."""
+    """Kernelize every layer's own ``chunk_gated_delta_rule`` wrapper with our layer; their layer paths.
+
+    kernels before 0.19 (transformers 5.17's window) gives the layers the module's global wrapper, not
+    one of their own: kernelizing it would change the function for every model of the process, for
+    good, so those layers take the scoped rebinding instead."""
     wrappers = {path: m._kernel_funcs[KERNEL_NAME] for path, m in model.named_modules()
-                if KERNEL_NAME in getattr(m, "_kernel_funcs", {})}
+                if KERNEL_NAME in getattr(m, "_kernel_funcs", {})
+                and m._kernel_funcs[KERNEL_NAME] is not getattr(sys.modules.get(type(m).__module__), HF_NAME, None)}
     if not wrappers:
         return []
     from kernels import Mode, kernelize, use_kernel_mapping
+
+    for path, wrapper in wrappers.items():  # (kernelize checks a repository's layer only once per process)
+        _check_parameters(f"the {KERNEL_NAME} kernel wrapper of {path or type(model).__name__}",
+                          tuple(inspect.signature(type(wrapper).forward).parameters)[1:])
 
     with use_kernel_mapping({KERNEL_NAME: {"cpu": _PROVIDER}}, inherit_mapping=False):
         for wrapper in wrappers.values():
@@ -156,9 +166,8 @@ def _modules_with_the_function(model: torch.nn.Module) -> list[ModuleType]:
     return [m for m in modules if m is not None and callable(getattr(m, HF_NAME, None))]
 
 
-def _check_signature(module: ModuleType, function) -> None:
-    parameters = tuple(inspect.signature(function).parameters)
+def _check_parameters(where: str, parameters: tuple[str, ...]) -> None:
     if parameters != HF_PARAMETERS:
         raise ExportError(
-            f"{module.__name__}.{HF_NAME} takes {parameters}, not the {HF_PARAMETERS} autodeploy provides "
-            "the gated delta rule for: transformers changed the function; autodeploy must follow it")
+            f"{where} takes {parameters}, not the {HF_PARAMETERS} autodeploy provides the gated delta rule "
+            "for: transformers changed the function; autodeploy must follow it")

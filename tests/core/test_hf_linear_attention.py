@@ -122,9 +122,13 @@ def test_a_changed_transformers_function_fails_the_export_naming_it(monkeypatch)
 
 
 def test_a_changed_function_behind_the_kernel_seam_is_refused():
-    """Where transformers wraps the function for ``kernels``, kernelize itself compares our layer's
-    signature with the wrapped function's."""
-    kernels = pytest.importorskip("kernels")
+    """Where transformers wraps the function for ``kernels``, the wrapper's signature is checked (kernelize
+    checks a repository's layer only the first time it loads it)."""
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():  # (not importorskip: tests/kernels is a namespace package of that name)
+        pytest.skip("transformers' kernel seam needs the kernels package (5.25 requires it)")
+    import kernels
 
     @kernels.use_kernel_forward_from_hub("chunk_gated_delta_rule")
     def changed(query, key, value, g, beta, scale=None):
@@ -135,6 +139,6 @@ def test_a_changed_function_behind_the_kernel_seam_is_refused():
         def forward(self, x):
             return changed(x, x, x, x, x)
 
-    with pytest.raises(TypeError, match="Forward signature of autodeploy .* does not match"):
+    with pytest.raises(ExportError, match=r"the chunk_gated_delta_rule kernel wrapper of Layer takes .*scale"):
         with provide_gated_delta_rule(Layer()):
             pass
