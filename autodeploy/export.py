@@ -59,9 +59,9 @@ class _SkipRedundantGradModeSets(TorchFunctionMode):
 
 
 def export_model(model: torch.nn.Module) -> fx.GraphModule:
-    """Export ``model`` (built on meta) with a dynamic token dimension. The one patch: while it runs,
-    transformers' chunked gated delta rule is ours (``hf_linear_attention``: transformers' own kernel
-    seam cannot serve an export).
+    """Export ``model`` (built on meta) with a dynamic token dimension. While it runs, Gated DeltaNet
+    layers compute our gated delta rule (``hf_linear_attention``: through transformers' kernel seam where
+    the layers have it; else the one patch, the function's name rebound for the export).
 
     Parameters are traced as fake CPU tensors rather than meta tensors so that constants the model
     creates while running (e.g. ``torch.tensor(0.0)`` in mask code) keep their real values.
