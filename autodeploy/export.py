@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import ExportError
 from .graph.cleanup import cleanup_graph
+from .hf_linear_attention import provide_gated_delta_rule
 
 log = logging.getLogger("autodeploy.export")
 
@@ -58,7 +59,9 @@ class _SkipRedundantGradModeSets(TorchFunctionMode):
 
 
 def export_model(model: torch.nn.Module) -> fx.GraphModule:
-    """Export ``model`` (built on meta) with a dynamic token dimension; no patches applied.
+    """Export ``model`` (built on meta) with a dynamic token dimension. While it runs, Gated DeltaNet
+    layers compute our gated delta rule (``hf_linear_attention``: through transformers' kernel seam where
+    the layers have it; else the one patch, the function's name rebound for the export).
 
     Parameters are traced as fake CPU tensors rather than meta tensors so that constants the model
     creates while running (e.g. ``torch.tensor(0.0)`` in mask code) keep their real values.
@@ -74,7 +77,7 @@ def export_model(model: torch.nn.Module) -> fx.GraphModule:
     position_ids = torch.arange(EXAMPLE_TOKENS, dtype=torch.int64)
     start = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), provide_gated_delta_rule(model):
             program = torch.export.export(
                 FlatTokens(model),
                 (input_ids, position_ids),

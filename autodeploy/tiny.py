@@ -85,9 +85,12 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "llama4_text": {"head_dim": 16, "attention_chunk_size": 8, "no_rope_layers": [1, 0], "floor_scale": 4,
                     "intermediate_size_mlp": 128, "num_local_experts": 4, "moe_layers": []},
     "hunyuan_v1_dense": {},  # its config leaves head_dim None (tiny_config fills it in)
-    "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1],
+    # Gated DeltaNet layer (2 key heads for 4 value heads) then full attention (output gate, partial rotary);
+    # layer 0 dense, layer 1 MoE with a sigmoid-gated shared expert
+    "qwen3_next": {**_MOE, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                   "mlp_only_layers": [0], "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-                   "linear_value_head_dim": 16},  # dense; its Gated DeltaNet layer is refused (zoo README)
+                   "linear_value_head_dim": 16},
     # lightning (linear) attention layer 0 in blocks of 16 (the canary's 40-token prompts span three), full
     # attention layer 1, MoE in both
     "minimax": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "block_size": 16,

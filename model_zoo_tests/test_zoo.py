@@ -97,7 +97,7 @@ def test_zoo_architecture(zoo_model: ZooModel, tmp_path):
     layers = zoo_model.attention_layers or compiled.hf_config.num_hidden_layers
     op = "paged_mla" if zoo_model.mla else "paged_attention"
     assert counts.get(op) == layers, f"attention layers not all canonicalized: {counts}"
-    state_ops = (counts.get("ssm_scan_cached", 0), counts.get("causal_conv1d_cached", 0))
+    state_ops = (counts.get(f"{zoo_model.state_op}_cached", 0), counts.get("causal_conv1d_cached", 0))
     assert state_ops == (zoo_model.state_layers,) * 2, f"state layers not all canonicalized: {counts}"
     assert counts.get("lightning_attention_cached", 0) == zoo_model.lightning_layers, f"lightning layers: {counts}"
     assert attention_flags(compiled, "sliding_window", op) == list(zoo_model.windows)

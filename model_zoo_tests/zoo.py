@@ -8,10 +8,10 @@ layers carry ALiBi slopes, ``sinks`` whether they have learned attention sinks; 
 real reason when an architecture cannot pass yet (the README lists the same reasons); ``refused`` the
 error a model we must not run (state the KV cache does not hold) has to stop with; ``mla`` models cache
 a latent per token (``paged_mla``); ``engine`` models also run through the engine with too few blocks
-(preemption) and an abort. ``state_layers`` counts the layers with recurrent state (Mamba-2's SSM
-scan, each with its causal convolution), ``lightning_layers`` those with lightning attention (MiniMax's
-decayed linear attention), both kept in the state pool beside the KV cache; ``attention_layers``
-the paged-attention layers when not every layer has one.
+(preemption) and an abort. ``state_layers`` counts the layers with recurrent state (``state_op``:
+Mamba-2's SSM scan or Gated DeltaNet's delta rule, each with its causal convolution), ``lightning_layers``
+those with lightning attention (MiniMax's decayed linear attention), both kept in the state pool beside the
+KV cache; ``attention_layers`` the paged-attention layers when not every layer has one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class ZooModel:
     alibi: bool = False  # every attention layer has ALiBi slopes
     sinks: bool = False  # every attention layer has learned attention sinks
     moe_layers: int = 0
-    state_layers: int = 0  # ssm_scan_cached (and as many causal_conv1d_cached) in the compiled graph
+    state_layers: int = 0  # <state_op>_cached (and as many causal_conv1d_cached) in the compiled graph
+    state_op: str = "ssm_scan"  # the recurrent state op of those layers
     lightning_layers: int = 0  # lightning_attention_cached in the compiled graph
     attention_layers: int | None = None  # None: every layer
     xfail: str | None = None
@@ -92,10 +93,10 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("llama4_text", "chunked attention (8) on the RoPE layer, NoPE layer with query temperature",
              chunks=(8, None)),
     ZooModel("hunyuan_v1_dense", "q/k norms after the rotary embedding, head_dim left to the checkpoint"),
-    ZooModel("qwen3_next", "Gated DeltaNet (linear attention) + full attention layer, dense MLPs",
-             refused=r"check_uncached_state' failed: the layer with state the KV cache does not hold in "
-                     r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\) is not supported",
-             slow=True),  # its chunked delta rule unrolls 64 steps into the export
+    ZooModel("qwen3_next", "Gated DeltaNet layer (delta rule provided to transformers, causal conv, gated RMSNorm, "
+             "GQA-style q/k heads) + full attention layer (output gate, partial rotary); MoE with a sigmoid-gated "
+             "shared expert: state pool", windows=(None,), chunks=(None,), state_layers=1, state_op="gated_delta_rule",
+             attention_layers=1, moe_layers=1, engine=True),
     ZooModel("bamba", "Mamba-2 layer (SSD scan, causal conv, gated RMSNorm) + attention layer: state pool",
              windows=(None,), chunks=(None,), state_layers=1, attention_layers=1, engine=True),
     ZooModel("nemotron_h", "Mamba-2 + attention + MLP-only layers (one sublayer each), state pool",

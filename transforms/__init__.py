@@ -21,6 +21,7 @@ for _name, _target in {
     "match_rope": "autodeploy.transforms.match_rope:MatchRoPE",
     "match_partial_rope": "autodeploy.transforms.match_rope:MatchPartialRoPE",
     "match_rms_norm": "autodeploy.transforms.match_rms_norm:MatchRMSNorm",
+    "match_gated_rms_norm": "autodeploy.transforms.match_gated_rms_norm:MatchGatedRMSNorm",
     "match_gated_mlp": "autodeploy.transforms.match_gated_mlp:MatchGatedMLP",
     "match_moe": "autodeploy.transforms.match_moe:MatchMoE",
     "match_causal_conv1d": "autodeploy.transforms.match_causal_conv1d:MatchCausalConv1d",
