@@ -8,16 +8,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from autodeploy.passes.shard import context_before_shard, plan_for_checkpoint
+from autodeploy.passes.shard_plan import derive_plan
+from autodeploy.passes.shard_quantized import localize_written, written_params
+from safetensors.torch import load_file
 from tp_programs import max_diff, reference, tp_greedy
 
 from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.errors import AutoDeployError
-from autodeploy.passes.shard import plan_for_checkpoint
+from autodeploy.quantization.source import AliasingSource
 from autodeploy.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
-from quant_fixtures import fixture_dir  # noqa: E402
-from test_quantized_checkpoints import _block_fp8_checkpoint  # noqa: E402
+from quant_fixtures import block_fp8_checkpoint, fixture_dir  # noqa: E402
 
 STEPS = 4
 EXACT = 1e-5  # of the largest logit
@@ -31,7 +35,7 @@ def _exact_runs(tmp_path) -> dict[str, tuple[str, dict]]:
     return {
         "modelopt fp8": (str(fixture_dir("llama_modelopt_fp8")), {}),
         "ct fp8 static (qwen3)": (str(fixture_dir("qwen3_ct_fp8_static")), {}),
-        "block fp8 16x16 (qwen3)": (str(_block_fp8_checkpoint(tmp_path)), {}),
+        "block fp8 16x16 (qwen3)": (str(block_fp8_checkpoint(tmp_path)), {}),
         "modelopt nvfp4 (qwen3)": (str(fixture_dir("qwen3_modelopt_nvfp4")), {}),
     }
 
@@ -75,6 +79,8 @@ def test_the_plan_shards_quantized_linears_with_their_scales():
                  f"  row     {mlp}.down_proj.weight  [64, 32] -> [64, 16]"]:
         assert any(got.startswith(line) for got in lines), line
     assert not any("weight_scale_2  [] " in got or ".input_scale" in got for got in lines)  # per-tensor: whole
+    assert ("note: quantized linears (5 nvfp4_linear, 1 nvfp4_swiglu_down): scales cut with their weights, "
+            "per-tensor scales whole on every rank") in lines
 
 
 def test_a_split_inside_a_block_is_a_compile_time_error(tmp_path):
@@ -88,3 +94,27 @@ def test_a_split_inside_a_block_is_a_compile_time_error(tmp_path):
     with pytest.raises(AutoDeployError, match=r"down_proj\.weight_scale: tp_size 4 cuts its 32 input features into "
                                               r"slices of 8, not a whole number of its 16-feature NVFP4 groups"):
         plan_for_checkpoint(path, tp_size=4, quantization="nvfp4", dtype="float32", device="cpu")
+
+
+def test_a_rank_reads_only_its_slice_of_each_quantized_tensor():
+    """Rank 1 of 2 on llm-compressor's FP8_DYNAMIC checkpoint: the writer's slots point at the rank's
+    rows (gate rows, then up rows, in the stacked gate/up parameter), and the weight source cuts
+    each stored tensor through a safetensors lazy slice."""
+    path = fixture_dir("llama_ct_fp8_dynamic")
+    ctx, _ = context_before_shard(path, tp_size=2, dtype="float32", device="cpu")
+    for shard in (p for g in derive_plan(ctx.gm, 2).groups for p in g.params if p.name in written_params(ctx)):
+        localize_written(ctx, shard, rank=1, world=2)
+    slots = ctx.artifacts["param_writer"].slots
+    mlp = "model.layers.0.mlp"
+    assert [(slots[f"{mlp}.{p}_proj.weight"].rows, slots[f"{mlp}.{p}_proj.weight"].shape) for p in ("gate", "up")] == [
+        ((0, 32), (32, 64)), ((32, 64), (32, 64))]
+    source = ctx.artifacts["weight_source"](ctx.checkpoint, set(ctx.weight_hooks), torch.float32, ctx.weight_slices)
+    assert isinstance(source, AliasingSource) and source.direct.slices is ctx.weight_slices  # read as lazy slices
+    got = dict(source)
+    whole = load_file(path / "model.safetensors")
+    attn = "model.layers.0.self_attn"
+    for name, want in {f"{attn}.k_proj.weight": whole[f"{attn}.k_proj.weight"][16:],  # column: its kv head
+                       f"{attn}.k_proj.weight_scale": whole[f"{attn}.k_proj.weight_scale"][16:],  # [N, 1] rows
+                       f"{attn}.o_proj.weight": whole[f"{attn}.o_proj.weight"][:, 32:],  # row: its input features
+                       f"{attn}.o_proj.weight_scale": whole[f"{attn}.o_proj.weight_scale"]}.items():  # per channel: whole
+        assert torch.equal(got[name].float(), want.float()), name
