@@ -201,14 +201,16 @@ Slices = dict[str, Callable[[Any], torch.Tensor]]  # name -> the part to load, f
 
 class SafetensorsSource(WeightSource):
     """Streams tensors straight from ``*.safetensors`` files (names as stored); a tensor named in
-    ``slices`` is read through a lazy slice, so only the part it asks for leaves the file."""
+    ``slices`` is read through a lazy slice, so only the part it asks for leaves the file; with
+    ``only``, the other tensors are not read at all."""
 
-    def __init__(self, files: tuple[Path, ...], slices: Slices | None = None):
+    def __init__(self, files: tuple[Path, ...], slices: Slices | None = None, only: set[str] | None = None):
         from safetensors import safe_open
 
         self._open = safe_open
         self.files = files
         self.slices = slices or {}
+        self.only = only
 
     def names(self) -> set[str]:
         out: set[str] = set()
@@ -221,6 +223,8 @@ class SafetensorsSource(WeightSource):
         for f in self.files:
             with self._open(str(f), framework="pt") as handle:
                 for key in handle.keys():
+                    if self.only is not None and key not in self.only:
+                        continue
                     if key in self.slices:
                         yield key, self.slices[key](handle.get_slice(key))
                     else:

@@ -85,6 +85,7 @@ class _Quantizer:
     def __init__(self, ctx: CompileContext, plan: QuantPlan, stored: dict):
         self.ctx, self.gm, self.plan, self.stored = ctx, ctx.gm, plan, stored
         self.writer = ctx.artifacts.setdefault("param_writer", ParameterWriter(ctx.gm, ctx.device))
+        self.writer.online = plan.format.kind if plan.online else None
         self.linears: list[QuantLinear] = []  # each as the checkpoint stores it (before any stacking)
         self.unquantized: list[str] = []
         self.stacked: list[QuantLinear] = []  # parts of stacked gate/up GEMMs (parameters removed at the end)

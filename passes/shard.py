@@ -10,7 +10,8 @@ plan stays ours), and applies it for this process's rank:
   ``load_weights`` which slice of the checkpoint tensor to read (a safetensors lazy slice: a rank
   reads and materializes only its shard). Fusion runs afterwards on the local shapes, so a fused
   q/k/v or gate/up parameter is stacked from the ranks' parts; quantization scales named with a
-  weight are sliced with it;
+  weight are sliced with it, and the parameters of quantized linears (built by the quantize pass's
+  load hooks) are cut through its writer (``shard_quantized.py``);
 - literal sizes that count the whole split dimension (view shapes) are divided;
 - an ``autodeploy::all_reduce`` follows every row-parallel output (a row-parallel linear's bias is
   added after it, once), an ``all_gather`` the vocabulary-parallel LM head; MoE by expert remaps
@@ -37,7 +38,8 @@ from autodeploy.pipeline.base import CompileContext, Pass, PassConfig, PassResul
 
 from .shard_groups import ShardGroup
 from .shard_plan import ShardPlan, derive_plan, hf_disagreements
-from .shard_split import Fix, ShardError, SliceFix, linear_parts
+from .shard_quantized import localize_written, written_params
+from .shard_split import Fix, ShardError, SliceFix, linear_parts, op_arguments
 
 log = logging.getLogger("autodeploy.shard")
 aten = torch.ops.aten
@@ -62,11 +64,11 @@ class Shard(Pass):
         if world == 1:
             return PassResult(0, "tp_size 1: nothing to shard")
         plan = self.plan(ctx)
-        built = [p.name for g in plan.groups for p in g.params if p.name in ctx.hook_targets]
-        if built:  # e.g. quantized linears: their writer expects whole tensors (not wired to sharding yet)
+        written = written_params(ctx)
+        built = [p.name for g in plan.groups for p in g.params if p.name in ctx.hook_targets and p.name not in written]
+        if built:
             raise ShardError(f"{len(built)} planned parameters are built by an earlier pass's load hooks, which "
-                             f"do not take slices yet (e.g. {built[0]}): tensor parallelism of quantized "
-                             "checkpoints is not supported yet; use tp_size 1")
+                             f"do not take slices (e.g. {built[0]}); use tp_size 1")
         job = distributed.current()
         if job is None or job.world_size != world:
             raise RuntimeError(f"tp_size {world}: this process has not joined a tensor-parallel job of {world} ranks")
@@ -118,12 +120,15 @@ def context_before_shard(model_dir, **options) -> tuple[CompileContext, list]:
 
 def apply_plan(ctx: CompileContext, plan: ShardPlan, rank: int) -> None:
     """Rewrite ``ctx.gm`` into rank ``rank``'s part of ``plan`` and register the weight slices."""
-    gm = ctx.gm
+    gm, written = ctx.gm, written_params(ctx)
     nodes = {n.name: n for n in gm.graph.nodes}
     for group in plan.groups:
         for shard in group.params:
             _localize_parameter(gm, shard.name, shard.local_shape())
-            ctx.weight_slices[shard.name] = functools.partial(shard.read, rank=rank, world=plan.tp_size)
+            if shard.name in written:  # quantized linears: their writer places the rank's pieces
+                localize_written(ctx, shard, rank, plan.tp_size)
+            else:
+                ctx.weight_slices[shard.name] = functools.partial(shard.read, rank=rank, world=plan.tp_size)
         for fix in group.fixes:
             _fix(nodes[fix.node], fix)
         for name in group.after:
@@ -174,7 +179,9 @@ def _complete(gm: fx.GraphModule, node: fx.Node, group: ShardGroup) -> None:
 
 def _take_bias(node: fx.Node) -> fx.Node | None:
     """Remove a row-parallel linear's bias (each rank would add it: it is added after the sum)."""
-    parts = linear_parts(node)
+    schema = getattr(node.target, "_schema", None)
+    has_bias = schema is not None and "bias" in [a.name for a in schema.arguments]
+    parts = linear_parts(node) or (op_arguments(node) if has_bias else None)  # also *_swiglu_down
     bias = parts.get("bias") if parts else None
     if not isinstance(bias, fx.Node):
         return None

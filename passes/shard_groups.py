@@ -11,7 +11,6 @@ tensor) is sharded per part, and the slices' bounds become the local ones (:clas
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from torch import fx
 from autodeploy.graph.matcher import schema_values
 
 from .gather_logits import find_lm_head
+from .shard_linears import Part, ParamShard, column_params, row_params
 from .shard_split import (
     ELEMENTWISE_OPS,
     SAME_SPLIT_OPS,
@@ -33,53 +33,12 @@ from .shard_split import (
     Traced,
     is_param,
     linear_parts,
+    op_arguments,
     val,
 )
 
 aten = torch.ops.aten
 AD = torch.ops.autodeploy
-
-
-@dataclass(frozen=True)
-class Part:
-    """``size`` entries from ``start`` along a sharded dimension, cut into ``factor`` equal blocks;
-    rank r of ``world`` holds block ``r * factor // world`` (fewer blocks than ranks: replicated)."""
-
-    start: int
-    size: int
-    factor: int
-
-    def local(self, rank: int, world: int) -> tuple[int, int]:
-        block = self.size // self.factor
-        return self.start + (rank * self.factor // world) * block, block
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """One parameter (named as in the checkpoint) sliced along ``dim``; ``role`` says why."""
-
-    name: str
-    role: str  # column | row | expert | vocab | head
-    shape: tuple[int, ...]
-    dim: int
-    parts: tuple[Part, ...]
-
-    def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.shape)
-        shape[self.dim] = sum(p.size // p.factor for p in self.parts)
-        return tuple(shape)
-
-    def read(self, source, rank: int, world: int) -> torch.Tensor:
-        """This rank's slice of ``source``: a safetensors lazy slice (only the slice is read) or a tensor."""
-        shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
-        if shape != self.shape:
-            raise RuntimeError(f"{self.name}: checkpoint shape {shape} != planned {self.shape}")
-        pieces = []
-        for start, length in (p.local(rank, world) for p in self.parts):
-            index = [slice(None)] * len(shape)
-            index[self.dim] = slice(start, start + length)
-            pieces.append(source[tuple(index)])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
 @dataclass(frozen=True)
@@ -102,6 +61,7 @@ def find_groups(gm: fx.GraphModule, world: int, *, lm_head: bool, moe: str) -> t
     tracer = SplitTracer(gm, world)
     groups = [_attention_group(tracer, n, world) for n in gm.graph.find_nodes(op="call_function", target=AD.attention.default)]
     groups += [_gated_mlp_group(n, world) for n in gm.graph.find_nodes(op="call_function", target=AD.swiglu.default)]
+    groups += [_quantized_gated_mlp_group(n, world) for n in gm.graph.nodes if n.target in QUANTIZED_SWIGLU_DOWN]
     groups += [_moe_group(n, world, moe) for n in gm.graph.find_nodes(op="call_function", target=AD.moe.default)]
     notes: list[str] = []
     groups.extend(_plain_mlp_groups(gm, tracer, world, groups, notes))
@@ -143,63 +103,21 @@ def _attention_group(tracer: SplitTracer, node: fx.Node, world: int) -> ShardGro
     if len(traced.sinks) != 1:
         raise ShardError(f"{node.name}: the attention output reaches {len(traced.sinks)} linears, expected one")
     detail = f"heads {heads} -> {heads // world}, kv heads {kv_heads} -> {kv_heads // kv_factor}"
-    return _linear_group("attention", columns, traced, detail, fixes)
+    return _linear_group("attention", columns, traced, detail, world, fixes)
 
 
-def _linear_group(kind: str, columns: dict[fx.Node, tuple[Part, ...]], traced: Traced, detail: str,
+def _linear_group(kind: str, columns: dict[fx.Node, tuple[Part, ...]], traced: Traced, detail: str, world: int,
                   fixes: list[Fix] = ()) -> ShardGroup:
-    params = [shard for linear, parts in columns.items() for shard in _column_params(linear, parts)]
+    params = [shard for linear, parts in columns.items() for shard in column_params(linear, parts, world)]
     for sink in traced.sinks:
-        params.extend(_row_params(sink, traced.sink_splits[sink.name]))
+        args = linear_parts(sink)
+        params.extend(row_params(args, int(val(args["input"]).shape[-1]), traced.sink_splits[sink.name].factor, world))
     gm_params = dict(next(iter(columns)).graph.owning_module.named_parameters())
     for name, (dim, factor) in traced.params.items():
         shape = tuple(gm_params[name].shape)
         params.append(ParamShard(name, "head", shape, dim, (Part(0, shape[dim], factor),)))
     return ShardGroup(kind, _module_of(params), tuple(params), "all_reduce",
                       tuple(s.name for s in traced.sinks), detail, (*fixes, *traced.fixes))
-
-
-def _column_params(linear: fx.Node, parts: tuple[Part, ...]) -> list[ParamShard]:
-    """Weight, bias and scales along the output features, part by part: a per-channel scale row by
-    row, a per-block scale ``[N / bn, ...]`` block row by block row; per-tensor scales stay whole."""
-    args = linear_parts(linear)
-    out_features = int(val(args["weight"]).shape[0])
-    shards = []
-    for key, arg in args.items():
-        if key == "input" or not is_param(arg):
-            continue
-        shape = tuple(val(arg).shape)
-        if math.prod(shape) == 1 and key not in ("weight", "bias"):
-            continue  # one value for the whole tensor
-        if not shape or len(shape) > 2 or out_features % shape[0]:
-            raise ShardError(f"{linear.name}: cannot shard its {key} of shape {list(shape)} by output features")
-        shards.append(ParamShard(str(arg.target), "column", shape, 0, _in_blocks(parts, out_features // shape[0], linear, key)))
-    return shards
-
-
-def _in_blocks(parts: tuple[Part, ...], block: int, node: fx.Node, key: str) -> tuple[Part, ...]:
-    if block == 1:
-        return parts
-    if any(p.start % block or p.size % (block * p.factor) for p in parts):
-        raise ShardError(f"{node.name}: the {block}-row blocks of its {key} straddle the ranks' slices")
-    return tuple(Part(p.start // block, p.size // block, p.factor) for p in parts)
-
-
-def _row_params(linear: fx.Node, split: Split) -> list[ParamShard]:
-    """The weight and its 2-d scales along the input features, in proportion (packed FP4 bytes,
-    per-block scales); bias and per-channel or per-tensor scales stay whole."""
-    args = linear_parts(linear)
-    in_features = int(val(args["input"]).shape[-1])
-    shards = []
-    for key, arg in args.items():
-        if key in ("input", "bias") or not is_param(arg) or val(arg).dim() != 2:
-            continue
-        shape = tuple(val(arg).shape)
-        if in_features % shape[1] or shape[1] % split.factor:
-            raise ShardError(f"{linear.name}: {key} of shape {list(shape)} cannot be cut in {split.factor} "
-                             f"along {in_features} input features")
-        shards.append(ParamShard(str(arg.target), "row", shape, 1, (Part(0, shape[1], split.factor),)))
-    return shards
 
 
 def _source_linear(tensor: fx.Node, attention: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -276,6 +194,24 @@ def _gated_mlp_group(node: fx.Node, world: int) -> ShardGroup:
                       f"intermediate {inter} -> {inter // world}", tuple(fixes))
 
 
+QUANTIZED_SWIGLU_DOWN = (AD.fp8_swiglu_down.default, AD.nvfp4_swiglu_down.default)
+
+
+def _quantized_gated_mlp_group(node: fx.Node, world: int) -> ShardGroup:
+    """A quantized gated MLP (the quantize pass's form): one GEMM on the stacked gate/up rows,
+    column-parallel per part (each rank keeps its gate rows, then its up rows), and the fused
+    ``act(gate) * up`` + down projection, row-parallel."""
+    gate_up = node.args[0]
+    if linear_parts(gate_up) is None or len(gate_up.users) != 1:
+        raise ShardError(f"{node.name}: its gate/up input is not a linear of its own")
+    inter = int(val(gate_up).shape[-1]) // 2
+    _divisible(node, "intermediate size", inter, world)
+    columns = column_params(gate_up, (Part(0, inter, world), Part(inter, inter, world)), world)
+    params = (*columns, *row_params(op_arguments(node), inter, world, world))
+    return ShardGroup("gated_mlp", _module_of(params), params, "all_reduce", (node.name,),
+                      f"intermediate {inter} -> {inter // world}")
+
+
 def _moe_group(node: fx.Node, world: int, mode: str) -> ShardGroup:
     w_gate_up, w_down = node.args[3:5]
     layout = {k: v for k, v in schema_values(node) if k in _MOE_LAYOUT_OPTIONS and v not in (None, False)}
@@ -323,7 +259,7 @@ def _plain_mlp_groups(gm, tracer: SplitTracer, world: int, groups: list[ShardGro
             continue
         inter = int(val(sources[0]).shape[-1])
         columns = {s: (Part(0, int(val(s).shape[-1]), world),) for s in sources}
-        group = _linear_group("mlp", columns, traced, f"intermediate {inter} -> {inter // world}")
+        group = _linear_group("mlp", columns, traced, f"intermediate {inter} -> {inter // world}", world)
         claimed |= {p.name for p in group.params}
         yield group
 
@@ -366,7 +302,7 @@ def _lm_head_group(gm, world: int, notes: list[str]):
     if vocab % world:
         notes.append(f"LM head replicated: vocabulary {vocab} is not divisible by {world}")
         return
-    params = tuple(_column_params(head, (Part(0, vocab, world),)))
+    params = tuple(column_params(head, (Part(0, vocab, world),), world))
     yield ShardGroup("lm_head", _module_of(params), params, "all_gather", (head.name,),
                      f"vocabulary {vocab} -> {vocab // world}")
 

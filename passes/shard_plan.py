@@ -21,6 +21,7 @@ exactly is an error naming the node. Parameters outside the groups stay whole on
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from dataclasses import dataclass
 
 from torch import fx
@@ -56,12 +57,24 @@ class ShardPlan:
 def derive_plan(gm: fx.GraphModule, world: int, *, lm_head: bool = True, moe: str = "tensor") -> ShardPlan:
     """The plan of ``gm`` (a canonical graph) over ``world`` ranks; :class:`ShardError` if it cannot be split."""
     groups, notes = find_groups(gm, world, lm_head=lm_head, moe=moe)
+    notes.extend(_quantized_note(gm))
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     groups.sort(key=lambda g: order[g.after[0]])  # layer by layer, as the model runs
     sharded = {p.name for g in groups for p in g.params}
     used = {str(n.target) for n in gm.graph.find_nodes(op="get_attr")}
     replicated = tuple(name for name, _ in gm.named_parameters() if name in used and name not in sharded)
     return ShardPlan(world, tuple(groups), replicated, tuple(notes))
+
+
+def _quantized_note(gm: fx.GraphModule) -> list[str]:
+    """How many quantized linear ops the plan cuts (their scales are listed with their weights)."""
+    ops = Counter(str(n.target._schema.name).removeprefix("autodeploy::") for n in gm.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "_schema", None) is not None
+                  and str(n.target._schema.name).startswith(("autodeploy::fp8_", "autodeploy::nvfp4_")))
+    if not ops:
+        return []
+    counts = ", ".join(f"{count} {op}" for op, count in sorted(ops.items()))
+    return [f"quantized linears ({counts}): scales cut with their weights, per-tensor scales whole on every rank"]
 
 
 def hf_disagreements(plan: ShardPlan, hf_plan: dict[str, str] | None) -> list[str]:

@@ -109,6 +109,12 @@ def linear_parts(node: fx.Node) -> dict[str, object] | None:
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.name.endswith("linear") or "weight" not in [a.name for a in schema.arguments]:
         return None
+    return op_arguments(node)
+
+
+def op_arguments(node: fx.Node) -> dict[str, object]:
+    """A custom op's arguments by schema name (defaults filled in); the first one is called ``input``."""
+    schema = node.target._schema
     bound = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
              for i, a in enumerate(schema.arguments)}
     first = schema.arguments[0].name

@@ -11,7 +11,9 @@ arrive once, already in place.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import fx
@@ -93,12 +95,14 @@ def add_meta_parameter(gm: fx.GraphModule, name: str, shape: tuple[int, ...], dt
 @dataclass(frozen=True)
 class Slot:
     """Where a logical tensor lands: ``rows`` of parameter ``param`` (None: all of it), combined
-    with what is there by ``copy`` or ``max``."""
+    with what is there by ``copy`` or ``max``; ``take`` (tensor parallelism) cuts this rank's piece
+    out of a value that had to be computed whole (online quantization with a scale over all of it)."""
 
     param: str
     shape: tuple[int, ...]  # the logical tensor's shape (what the hook writes)
     rows: tuple[int, int] | None = None
     combine: str = "copy"
+    take: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class ParameterWriter:
@@ -108,6 +112,7 @@ class ParameterWriter:
         self.gm, self.device = gm, device
         self.slots: dict[str, Slot] = {}
         self.written: set[str] = set()
+        self.online: str | None = None  # "fp8" / "nvfp4": hooks quantize unquantized weights themselves
 
     def expect(self, logical: str, shape: tuple[int, ...]) -> None:
         """``logical`` is written whole into the parameter of the same name."""
@@ -117,7 +122,11 @@ class ParameterWriter:
         """What was going to ``old_param`` goes to ``rows`` of ``new_param`` (fusion)."""
         for logical, slot in list(self.slots.items()):
             if slot.param == old_param:
-                self.slots[logical] = Slot(new_param, slot.shape, rows, combine)
+                self.slots[logical] = dataclasses.replace(slot, param=new_param, rows=rows, combine=combine)
+
+    def slots_of(self, param: str) -> dict[str, Slot]:
+        """The logical tensors that land in ``param``."""
+        return {logical: slot for logical, slot in self.slots.items() if slot.param == param}
 
     def write(self, logical: str, value: torch.Tensor) -> None:
         slot = self.slots[logical]
@@ -125,7 +134,7 @@ class ParameterWriter:
             raise QuantizationError(f"{logical}: checkpoint shape {tuple(value.shape)} != expected {slot.shape}")
         target = self._target(slot)
         view = target if slot.rows is None else target[slot.rows[0]:slot.rows[1]]
-        value = value.to(device=self.device)
+        value = (slot.take(value) if slot.take else value).to(device=self.device)
         if slot.combine == "max":
             view.copy_(torch.maximum(view, value.to(view.dtype)))
         else:

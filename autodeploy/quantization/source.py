@@ -61,16 +61,15 @@ def choose_quantized_source(checkpoint: Checkpoint, needed: set[str], dtype: tor
     """``choose_weight_source`` for a quantized checkpoint: the files as they are when they hold
     every tensor under its own name and nothing is dequantized, else a :class:`DequantizingSource`
     (never transformers' loader alone, which would drop the scales of formats it does not know).
-    ``slices`` (tensor parallelism) must be empty: the shard pass refuses quantized checkpoints for now."""
-    if slices:
-        raise RuntimeError("tensor-parallel slices reached a quantized checkpoint; the shard pass should have refused it")
-    direct = SafetensorsSource(checkpoint.weight_files)
+    ``slices`` (tensor parallelism): each tensor named there is cut to this rank's part, from the
+    file where it streams from one (only the part is read), else after transformers built it."""
+    direct = SafetensorsSource(checkpoint.weight_files, slices)
     stored = direct.names()
     if not dequantized:
         aliases = {name: twin for name in needed - stored if (twin := _tied_twins(checkpoint).get(name)) in stored}
-        if needed <= stored | set(aliases):
+        if needed <= stored | set(aliases) and not set(aliases) & set(slices or {}):
             return AliasingSource(direct, aliases)
-    return DequantizingSource(checkpoint, fmt, kept, dequantized, dtype)
+    return DequantizingSource(checkpoint, fmt, kept, dequantized, dtype, slices)
 
 
 def _tied_twins(checkpoint: Checkpoint) -> dict[str, str]:
@@ -116,9 +115,10 @@ class DequantizingSource(WeightSource):
     weights of the ``dequantized`` modules dequantized to ``dtype`` first (module doc)."""
 
     def __init__(self, checkpoint: Checkpoint, fmt: LinearFormat, kept: set[str], dequantized: set[str],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, slices: Slices | None = None):
         self.checkpoint, self.fmt, self.kept, self.dequantized, self.dtype = checkpoint, fmt, kept, dequantized, dtype
         self.direct = SafetensorsSource(checkpoint.weight_files)
+        self.slices = slices or {}
 
     def names(self) -> set[str]:
         from transformers import AutoModelForCausalLM
@@ -128,11 +128,11 @@ class DequantizingSource(WeightSource):
         return set(self.kept) | set(model.state_dict())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.direct:
-            if name in self.kept:
-                yield name, tensor
+        yield from SafetensorsSource(self.checkpoint.weight_files, self.slices, only=self.kept)
         state = self.model().state_dict()
-        yield from ((name, tensor) for name, tensor in state.items() if name not in self.kept)
+        for name, tensor in state.items():
+            if name not in self.kept:
+                yield name, self.slices[name](tensor) if name in self.slices else tensor
 
     def model(self) -> torch.nn.Module:
         """The HF model of every tensor but the ``kept`` ones, the ``dequantized`` modules'

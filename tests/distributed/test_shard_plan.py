@@ -203,5 +203,5 @@ def test_block_scales_are_sliced_in_whole_blocks():
         hidden = F.relu(block_scaled_linear(x, local["up"], local["up_scale"]))
         partial.append(block_scaled_linear(hidden, local["down"], local["down_scale"]))
     torch.testing.assert_close(sum(partial), module(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ShardError, match="4-row blocks of its weight_scale straddle"):
+    with pytest.raises(ShardError, match="up_scale: tp_size 16 cuts rows 0..32 into slices of 2, not a whole number of its 4-row blocks"):
         derive_plan(export_for_test(module, (x,), {0: 0}), 16, lm_head=False)

@@ -19,7 +19,8 @@ OPTIONS = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_si
 PROMPT_LENS = (5, 19, 11)
 
 
-def prompts(vocab_size: int = 256, lens=PROMPT_LENS) -> list[list[int]]:
+def prompts(vocab_size: int = 128, lens=PROMPT_LENS) -> list[list[int]]:
+    """Token ids inside every tiny vocabulary (the committed quantized fixtures have 128 tokens)."""
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
 
@@ -43,16 +44,17 @@ def greedy_run(model, prompt_ids: list[list[int]], steps: int, chunk_size: int =
     return rows, tokens
 
 
-def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], steps: int):
+def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], steps: int | dict[str, int]):
     """Check the collective ops, then compile each ``(checkpoint, options)`` over the job and run
-    ``greedy_run`` from rank 0 while the others follow its steps. Rank 0 returns everything."""
+    ``greedy_run`` from rank 0 while the others follow its steps (``steps``: for every run, or by
+    run name). Rank 0 returns everything."""
     job = init_tensor_parallel(world, rank, store=store, device="cpu")
     out = {"collectives": collective_results(rank, world)}
     for name, (path, options) in runs.items():
         model = compile_model(path, tp_size=world, **OPTIONS, **options)
         if job.is_driver:
             model.publisher = StepPublisher(current())
-            out[name] = greedy_run(model, prompts(), steps)
+            out[name] = greedy_run(model, prompts(), steps[name] if isinstance(steps, dict) else steps)
             model.publisher.stop()
         else:
             follow_steps(model, job)

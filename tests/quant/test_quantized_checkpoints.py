@@ -6,13 +6,12 @@ weights dequantized as the format says, activations fake-quantized likewise."""
 
 import pytest
 import torch
-from quant_fixtures import edit_json, fixture_dir
+from quant_fixtures import block_fp8_checkpoint, edit_json, fixture_dir
 from safetensors.torch import load_file, save_file
 
 import autodeploy
 from autodeploy.check import run_check
 from autodeploy.errors import AutoDeployError
-from autodeploy.quantization import numerics as nm
 
 pytestmark = pytest.mark.slow  # each compiles a model and runs HF as the reference
 
@@ -34,23 +33,8 @@ def test_moe_with_quantized_experts():
     assert model.gm.get_parameter("model.layers.0.mlp.experts.gate_up_proj").dtype == torch.float32
 
 
-def _block_fp8_checkpoint(tmp_path, model_type="qwen3"):
-    """``quant_method: fp8`` (DeepSeek-V3 / Qwen3-FP8 layout) written from its spec: transformers'
-    own writer of it quantizes on a GPU only."""
-    from autodeploy.tiny import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(model_type, tmp_path / model_type)
-    state = load_file(path / "model.safetensors")
-    for name in [n for n in state if n.endswith("proj.weight")]:
-        state[name], state[name.replace(".weight", ".weight_scale_inv")] = nm.quantize_fp8_blocks(state[name], (16, 16))
-    save_file(state, path / "model.safetensors")
-    edit_json(path / "config.json", lambda c: c.update(quantization_config={
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 16]}))
-    return path
-
-
 def test_block_fp8_matches_its_reference_and_transformers_dequantized_model(tmp_path):
-    path = _block_fp8_checkpoint(tmp_path)
+    path = block_fp8_checkpoint(tmp_path)
     result = run_check(path, steps=8, prompt_lens=(5, 19))
     assert result.passed, result.summary()
     from transformers import AutoModelForCausalLM
