@@ -130,10 +130,10 @@ def run_server(model_dir: str, settings: ServeSettings, compile_options: dict[st
     def on_loaded(loaded) -> None:
         from .engine import freeze_long_lived_objects
 
+        freeze_long_lived_objects()  # this process's start-up heap, before /health says ready (attach)
         state.sampling_defaults = loaded.sampling_defaults
         state.attach(loaded.engine, loaded.tokenizer, loaded.max_model_len)
         closers.append(loaded.close)
-        freeze_long_lived_objects()  # this process's start-up heap, before it says ready
         if timeline is not None:
             timeline.mark_ready()
         print(loaded.report, flush=True)
