@@ -41,8 +41,11 @@ class LoadWeights(Pass):
         needed = (set(pending) - set(ctx.hook_targets)) | set(ctx.weight_hooks)  # hook targets are built, not read
         if ctx.config.weights == "random":
             exported = ctx.artifacts.get("exported_parameters", {})
-            source = RandomSource({n: exported[n] for n in needed if n in exported}, ctx.device,
-                                  self.config.random_std, ctx.weight_slices)
+            # a parameter the quantize pass replaced in a checkpoint's stored format (FP8 codes, packed NVFP4) is
+            # made in its own dtype and shape by _fill_random, not from the exported one
+            shapes = {n: exported[n] for n in needed
+                      if n in exported and not (n in pending and _dtype_of(ctx.gm, n) in _STORED_QUANTIZED)}
+            source = RandomSource(shapes, ctx.device, self.config.random_std, ctx.weight_slices)
             loaded += self._stream(ctx, pending, source) + self._fill_random(ctx, pending)
         else:
             choose = ctx.artifacts.get("weight_source", choose_weight_source)
@@ -102,6 +105,13 @@ def _random_value(meta: torch.Tensor, name: str, device, std: float, generator) 
         value = torch.empty(meta.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
         return value.to(meta.dtype)
     return torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0.0, std, generator=generator)
+
+
+_STORED_QUANTIZED = (torch.float8_e4m3fn, torch.uint8)  # FP8 codes, packed NVFP4
+
+
+def _dtype_of(gm: fx.GraphModule, name: str) -> torch.dtype:
+    return get_tensor_attr(gm, name).dtype
 
 
 def _meta_tensors(gm: fx.GraphModule) -> dict[str, bool]:

@@ -100,8 +100,11 @@ class _Quantizer:
         self.gm.graph.eliminate_dead_code()
         remove_params(self.gm, self.stacked)
         self.gm.recompile()
-        register_quant_hooks(self.ctx, self.plan, self.linears, self.writer, self.stored)
-        register_targets(self.ctx, self.writer)
+        if self.plan.online or self.ctx.config.weights != "random":
+            register_quant_hooks(self.ctx, self.plan, self.linears, self.writer, self.stored)
+            register_targets(self.ctx, self.writer)
+        # else: random weights in a checkpoint's stored format: no tensors arrive for the hooks to place, and
+        # load_weights makes the quantized parameters themselves random (codes, unit scales)
         return QuantSummary(self.plan.method, self.plan.format.describe(),
                             tuple(q.module for q in self.linears), tuple(self.unquantized), self.plan.excluded,
                             tuple(sorted(dequantized)), self._kv_line())

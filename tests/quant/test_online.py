@@ -76,3 +76,19 @@ def test_compile_command_reports_the_quantization(capsys):
     assert "quantization: modelopt NVFP4: NVFP4 (e2m1 weights" in out
     assert "left unquantized: lm_head (excluded by the checkpoint: lm_head, model.embed_tokens)" in out
     assert "KV cache dtype: bfloat16" in out and "nvfp4_rms_norm_linear=1" in out
+
+
+@pytest.mark.parametrize("name", ["llama_modelopt_fp8", "qwen3_modelopt_nvfp4", "llama_ct_fp8_block",
+                                  "qwen3_moe_ct_fp8_dynamic"])
+def test_random_weights_in_a_stored_checkpoints_format(name):
+    """``weights: random`` with a quantized checkpoint's config: the quantized parameters themselves are made
+    random in their stored format (codes, unit scales), as a benchmark of that format wants."""
+    from quant_fixtures import fixture_dir
+
+    from autodeploy.kvcache.metadata import SequenceChunk
+
+    model = autodeploy.compile(fixture_dir(name), weights="random", **OPTIONS)
+    stored = {p.dtype for n, p in model.gm.named_parameters() if n.endswith(".weight")}
+    assert stored & {torch.float8_e4m3fn, torch.uint8}
+    logits = model([SequenceChunk((1, 2, 3), 0, (0,))])
+    assert torch.isfinite(logits).all()
