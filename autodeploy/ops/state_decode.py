@@ -126,3 +126,13 @@ def delta_step(q, k, v, g, beta, delta_state, state_slots, cu_seqlens, context_l
     state = state + k[:, :, :, None] * delta[:, :, None, :]
     write_slots(delta_state, rows, state)
     return finish_outputs((state * q[:, :, :, None]).sum(2), rows)
+
+
+def lightning_step(q, k, v, slopes, lightning_state, state_slots, cu_seqlens, context_lens) -> torch.Tensor:
+    """``lightning_attention_cached`` on a decode step: q/k [B, H, K], v [B, H, V], slopes [H] -> o [B, H, V]
+    fp32 (the state decays by exp(-slope), then adds k v^T; the output reads it with q)."""
+    rows = decode_rows(state_slots, cu_seqlens, context_lens)
+    decay = torch.exp(-slopes.float())[None, :, None, None]
+    state = read_slots(lightning_state, rows).float() * decay + k.float()[:, :, :, None] * v.float()[:, :, None, :]
+    write_slots(lightning_state, rows, state)
+    return finish_outputs((state * q.float()[:, :, :, None]).sum(2), rows)

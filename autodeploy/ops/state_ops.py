@@ -11,12 +11,12 @@ Flattened token layout, like attention: every token of a step is a row of T. Eac
   marks padding: zeros, nothing written) and writes its final state back to that slot.
 
 The math (torch references) is in ``state_reference`` (lightning attention's in ``lightning_reference``).
-A decode step (one token per sequence: ``T == B``) of the conv, SSM and delta-rule ops runs
-``state_decode``'s batched one-token update (Triton kernels on CUDA): no host loop, so
-``compile_cuda_graphs`` captures decode graphs of models with only those (``DECODE_CAPTURABLE_OPS``).
-Any other step, and every step of lightning attention, runs the references sequence by sequence (a
-host loop over ``cu_seqlens``: it synchronizes, so piecewise graphs run these ops eagerly between the
-pieces, as ``graph.split.HOST_SYNC_OPS`` says). SSM, delta-rule and lightning outputs are fp32 (the
+A decode step (one token per sequence: ``T == B``) runs ``state_decode``'s batched one-token update
+(Triton kernels on CUDA for the conv and SSM ops, batched torch for the delta rule and lightning
+attention): no host loop, so ``compile_cuda_graphs`` captures decode graphs of models with state ops
+(``DECODE_CAPTURABLE_OPS``). Any other step runs the references sequence by sequence (a host loop over
+``cu_seqlens``: it synchronizes, so piecewise graphs run these ops eagerly between the pieces, as
+``graph.split.HOST_SYNC_OPS`` says). SSM, delta-rule and lightning outputs are fp32 (the
 state's precision); the convolution keeps its input's dtype. Rows of padding tokens (no sequence) are zero.
 """
 
@@ -156,6 +156,9 @@ def lightning_attention_cached(
     state_slots: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """``lightning_attention`` per sequence; lightning_state [slots, H, K, V] fp32."""
+    if decode.is_decode_step(v, state_slots):
+        return decode.lightning_step(q, k, v, slopes, lightning_state, state_slots, cu_seqlens, context_lens)
+
     def run(rows, one_token, initial):
         form = lightning_recurrent if one_token else lightning_chunked
         return form(q[rows], k[rows], v[rows], slopes, initial)
@@ -201,4 +204,5 @@ DECODE_CAPTURABLE_OPS = frozenset({
     torch.ops.autodeploy.causal_conv1d_cached.default,
     torch.ops.autodeploy.ssm_scan_cached.default,
     torch.ops.autodeploy.gated_delta_rule_cached.default,
+    torch.ops.autodeploy.lightning_attention_cached.default,
 })

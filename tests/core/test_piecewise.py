@@ -155,16 +155,18 @@ def test_state_ops_run_eagerly_between_pieces_and_decode_graphs_take_them(compil
     assert _host_sync(type("Ctx", (), {"gm": model.gm})) is None
 
 
-def test_hybrid_decode_steps_through_the_decode_graph_path_pass_the_canary(compiled, monkeypatch):
+@pytest.mark.parametrize("arch", ["nemotron_h", "minimax"])
+def test_hybrid_decode_steps_through_the_decode_graph_path_pass_the_canary(compiled, monkeypatch, arch):
     """The decode-graph path of ``autodeploy.cudagraph`` with the CPU stand-in of a capture (a replay
     runs the graph module again on the static inputs ``CudaGraphRunner.run`` refilled, padded to the
-    captured size: padding sequences have slot -1 and no tokens): nemotron_h's decode steps at sizes
-    1 and 4 (three sequences: a padding row), through the state ops' batched decode form."""
+    captured size: padding sequences have slot -1 and no tokens): the decode steps of a Mamba-2 hybrid and
+    of MiniMax's lightning attention at sizes 1 and 4 (three sequences: a padding row), through the state
+    ops' batched decode form."""
     from autodeploy.check import run_check
     from autodeploy.cudagraph import CudaGraphRunner, DirectStepGraph, _Captured
     from autodeploy.ops import state_decode
 
-    model = compiled("nemotron_h")
+    model = compiled(arch)
     runner = CudaGraphRunner(model.gm, model.pool, [1, 4], model.capacity.max_blocks_per_seq)
     for size in runner.batch_sizes:
         buffers, pad, inputs = runner._static_step(size)
@@ -172,8 +174,9 @@ def test_hybrid_decode_steps_through_the_decode_graph_path_pass_the_canary(compi
         with torch.inference_mode():
             runner.graphs[size] = _Captured(graph, buffers, pad, graph.capture(model.gm, inputs, "decode", "-"))
     monkeypatch.setattr(model, "cuda_graphs", runner)
-    decode_rows, conv_step = [], state_decode.conv_step
-    monkeypatch.setattr(state_decode, "conv_step", lambda x, *a: decode_rows.append(x.shape[0]) or conv_step(x, *a))
+    decode_rows, rows_of = [], state_decode.decode_rows
+    monkeypatch.setattr(state_decode, "decode_rows", lambda slots, *a: decode_rows.append(slots.shape[0]) or
+                        rows_of(slots, *a))
     result = run_check(model.path, steps=4, prompt_lens=(5, 7, 3), chunk_size=8, compiled=model)
     assert result.passed, result.summary()
     assert 4 in decode_rows and set(decode_rows) == {1, 4}  # every decode step a replay (3 sequences: padded to 4)

@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autodeploy.kernels.state_update import conv_update, ssm_update
 from autodeploy.ops import state_decode
 from autodeploy.ops import state_reference as ref
+from autodeploy.ops.lightning_reference import lightning_recurrent
 
 from state_cases import Shapes, Step, conv_inputs, conv_params, delta_inputs, ssm_inputs
 
@@ -24,6 +25,7 @@ IMPLS = {  # kind -> name -> the decode step (x-like inputs..., state, metadata)
     "conv": {"torch": state_decode.conv_step, "triton": conv_update},
     "ssm": {"torch": state_decode.ssm_step, "triton": ssm_update},
     "delta": {"torch": state_decode.delta_step},
+    "lightning": {"torch": state_decode.lightning_step},
 }
 CASES = [(kind, impl) for kind, impls in IMPLS.items() for impl in impls]
 
@@ -43,6 +45,12 @@ def _case(kind: str, step: Step, dtype: torch.dtype, taps: int = S.kernel):
         args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
         state = torch.randn(SLOTS, S.heads, S.head_dim, S.state, generator=gen)
         return args, state, lambda r, init: ref.ssm_recurrent(*(a[r] if a.dim() > 1 else a for a in args), init)
+    if kind == "lightning":
+        q, k, v = (torch.randn(step.num_tokens, S.heads, dim, generator=gen).to(dtype) * 0.5
+                   for dim in (S.state, S.state, S.head_dim))
+        slopes = torch.rand(S.heads, generator=gen) + 0.05
+        state = torch.randn(SLOTS, S.heads, S.state, S.head_dim, generator=gen)
+        return [q, k, v, slopes], state, lambda r, init: lightning_recurrent(q[r], k[r], v[r], slopes, init)
     inputs = delta_inputs(step.num_tokens, S, gen, dtype)
     args = list(inputs.values())
     state = torch.randn(SLOTS, S.heads, S.state, S.head_dim, generator=gen)
@@ -81,7 +89,8 @@ def test_conv_kernel_of_fewer_taps(taps):
 
 def test_the_cached_ops_take_the_decode_path_on_decode_steps(monkeypatch):
     """T == B goes through state_decode (no host loop); the results equal the per-sequence loop's."""
-    for kind, op in (("conv", ad.causal_conv1d_cached), ("ssm", ad.ssm_scan_cached), ("delta", ad.gated_delta_rule_cached)):
+    for kind, op in (("conv", ad.causal_conv1d_cached), ("ssm", ad.ssm_scan_cached), ("delta", ad.gated_delta_rule_cached),
+                     ("lightning", ad.lightning_attention_cached)):
         args, state, _ = _case(kind, DECODE, torch.float32)
         looped_state = state.clone()
         monkeypatch.setattr(state_decode, "is_decode_step", lambda *a: False)
