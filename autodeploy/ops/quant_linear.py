@@ -100,8 +100,8 @@ def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) ->
     else:
         from ..kernels.quant_gemm import fp8_gemm
 
-        static = input_scale if activations == "static" else None
-        out = fp8_gemm(_rows(x), weight, weight_scale, input_scale=static, block_size=block, bias=bias)
+        out = fp8_gemm(_rows(x), weight, weight_scale, input_scale=_static(input_scale, activations), block_size=block,
+                       bias=bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
