@@ -178,13 +178,15 @@ def compile_autodeploy(cfg, max_batch: int, context: int, settings: dict | None 
     return model, time.perf_counter() - start
 
 
-def _chunks(model, ids: list[list[int]], context: int) -> list:
-    """Sequence ``b`` of ``ids`` at ``context`` cached tokens on its own KV blocks (and state slot)."""
+def sequence_chunks(model, ids: list[list[int]], contexts: int | list[int]) -> list:
+    """Sequence ``b``: ``ids[b]`` at ``contexts[b]`` cached tokens (one number: all of them), on KV blocks of its
+    own (and a state slot)."""
     from autodeploy.kvcache.metadata import SequenceChunk
 
-    per_seq = -(-(context + max(map(len, ids)) + 32) // model.block_size)
-    return [SequenceChunk(tuple(row), context, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
-                          state_slot=b if model.num_state_slots else -1) for b, row in enumerate(ids)]
+    contexts = [contexts] * len(ids) if isinstance(contexts, int) else contexts
+    per_seq = -(-(max(c + len(row) for c, row in zip(contexts, ids)) + 31) // model.block_size)
+    return [SequenceChunk(tuple(row), c, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
+                          state_slot=b if model.num_state_slots else -1) for b, (row, c) in enumerate(zip(ids, contexts))]
 
 
 @torch.inference_mode()
@@ -200,7 +202,7 @@ def decode_chunks(model, batch: int, context: int, seed: int = 0) -> list:
             cache.normal_(generator=gen)
     for state in model.pool.state.states if model.pool.state is not None else ():
         state.normal_(generator=gen)
-    return _chunks(model, _random_ids(model, batch, 1, seed), context)
+    return sequence_chunks(model, _random_ids(model, batch, 1, seed), context)
 
 
 def _random_ids(model, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -216,7 +218,7 @@ def bench_autodeploy(model, batch: int, context: int, steps: int) -> float:
 @torch.inference_mode()
 def bench_autodeploy_prefill(model, batch: int, length: int, steps: int) -> float:
     """ms of one step prefilling ``batch`` random prompts of ``length`` tokens."""
-    chunks = _chunks(model, _random_ids(model, batch, length, seed=1), 0)
+    chunks = sequence_chunks(model, _random_ids(model, batch, length, seed=1), 0)
     return timed_steps(lambda: model(chunks).argmax(-1).tolist(), steps)
 
 
