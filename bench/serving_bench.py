@@ -11,7 +11,7 @@ under ``autodeploy bench serve``'s client, issue 36's measurement and its done-w
 - the same model compiled here: the bare and the engine's decode step at each concurrency as batch.
 
 Each run's row keeps its percentiles and the compiles the server counted after ready (``/metrics``); the check
-rows are the issue's done-when; the section prints the issue's table at the end.
+rows are the issue's done-when.
 """
 
 from __future__ import annotations
@@ -97,18 +97,17 @@ def table_rows(args, header) -> Iterator[TableRow]:
             options = server_options(plan.top, max_seq_len, weights.settings) + ["--num_kv_blocks", str(KV_BLOCKS)]
             runs, hook_rows = serve_all(args.guidellm, plan, model_dir, options, out_dir / weights.name, cfg.vocab_size)
         steps = engine_steps(cfg, plan, context, weights.settings)
+        engine_tok_s = plan.top * 1e3 / steps[plan.top][1]
         for run in runs:
             floor = streamed_bytes(cfg, run.concurrency or plan.top, run.context, weights.bytes_per_weight,
                                    weights.head_bytes_per_weight) / header.bandwidth
-            yield serving_row(f"{shape} {run.server} {run.name}", run.result, floor, weights.name,
-                              run.compiles_after_ready)
+            yield serving_row(f"{shape} {run.server} {run.name}", run, floor, weights.name, (plan.top, engine_tok_s))
         for batch, (bare, engine_ms) in sorted(steps.items()):
             yield TableRow("serving", f"{shape} batch {batch}", "autodeploy engine step", engine_ms / 1e3,
                            batch * 1e3 / engine_ms, note=f"bare step {bare:.2f} ms, context {context}",
                            weights=weights.name)
         yield from hook_rows
         yield from check_rows(runs, steps, plan.concurrencies, shape)
-        print("\n" + done_when_table(runs, steps, plan.top, [r.note for r in hook_rows]), flush=True)
 
 
 def serve_all(guidellm: str | None, plan: Plan, model_dir: str, options: list[str], out_dir: Path, vocab: int):
@@ -257,14 +256,19 @@ def _wait_until_healthy(server: subprocess.Popen, log: Path, timeout: float) -> 
     raise RuntimeError(f"the server did not load within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def serving_row(workload: str, result, floor: float, weights: str, compiles_after_ready: int = 0) -> TableRow:
-    """ITL p50 as the row's time (the step a client sees), output tok/s, every percentile in ``metrics``."""
+def serving_row(workload: str, run: Run, floor: float, weights: str, engine: tuple[int, float]) -> TableRow:
+    """ITL p50 as the row's time (the step a client sees), output tok/s, every percentile in ``metrics``; the note
+    has the issue's table: output against the engine's own decode (``engine``: batch, tok/s), TTFT, ITL, TPOT."""
+    result, (batch, engine_tok_s) = run.result, engine
     metrics = {d.name: {"mean": d.mean_ms, "p50": d.p50_ms, "p90": d.p90_ms, "p99": d.p99_ms}
                for d in (result.ttft, result.tpot, result.itl, result.e2e)}
     metrics.update(completed=result.completed, failed=result.failed, seconds=result.seconds,
-                   prompt_tokens=result.mean_prompt_tokens, compiles_after_ready=compiles_after_ready)
-    note = (f"TTFT p50/p99 {result.ttft.p50_ms:.0f}/{result.ttft.p99_ms:.0f} ms, ITL p99 {result.itl.p99_ms:.2f} ms, "
-            f"TPOT p50 {result.tpot.p50_ms:.2f} ms; {result.completed} requests; {compiles_after_ready} compiles")
+                   prompt_tokens=result.mean_prompt_tokens, compiles_after_ready=run.compiles_after_ready)
+    ttft, itl = result.ttft, result.itl
+    note = (f"{result.output_throughput / engine_tok_s:.0%} of engine b{batch}; TTFT p50/p90/p99 {ttft.p50_ms:.0f}/"
+            f"{ttft.p90_ms:.0f}/{ttft.p99_ms:.0f} ms, ITL p50/p99 {itl.p50_ms:.1f}/{itl.p99_ms:.1f} ms, TPOT p50 "
+            f"{result.tpot.p50_ms:.2f} ms; {result.completed} requests, {'text' if run.text_prompts else 'token-id'} "
+            f"prompts of {result.mean_prompt_tokens:.0f}; {run.compiles_after_ready} compiles after ready")
     if result.failed:
         note += f", {result.failed} failed: {result.first_error}"
     return TableRow("serving", workload, "autodeploy serve (ITL p50)", result.itl.p50_ms / 1e3,
@@ -309,21 +313,3 @@ def check_rows(runs: list[Run], steps: dict, concurrencies: list[int], shape: st
                                (1 + TPOT_C1_SHARE) * steps[1][0]))
     rows.append(_check(f"{shape} every run", "compiles after ready", sum(r.compiles_after_ready for r in runs), 0))
     return rows
-
-
-def done_when_table(runs: list[Run], steps: dict, top: int, extra: list[str] = ()) -> str:
-    """The issue's table: one line per run, then the engine's own steps and any hook's lines."""
-    engine = top * 1e3 / steps[top][1] if top in steps else None
-    lines = [f"{'server':<8}{'run':<24}{'prompts':<8}{'done':>5}{'out tok/s':>11}{'% engine':>9}"
-             f"{'TTFT p50/p90/p99 ms':>22}{'ITL p50/p99 ms':>16}{'TPOT p50':>9}{'prompt':>7}{'compiles':>9}"]
-    for run in runs:
-        r = run.result
-        share = f"{r.output_throughput / engine:.0%}" if engine else "-"
-        ttft, itl = f"{r.ttft.p50_ms:.0f}/{r.ttft.p90_ms:.0f}/{r.ttft.p99_ms:.0f}", f"{r.itl.p50_ms:.1f}/{r.itl.p99_ms:.1f}"
-        lines.append(f"{run.server:<8}{run.name:<24}{'text' if run.text_prompts else 'ids':<8}{r.completed:>5}"
-                     f"{r.output_throughput:>11,.0f}{share:>9}{ttft:>22}{itl:>16}{r.tpot.p50_ms:>9.2f}"
-                     f"{r.mean_prompt_tokens:>7.0f}{run.compiles_after_ready:>9}"
-                     + (f"  {r.failed} FAILED: {r.first_error}" if r.failed else ""))
-    lines += [f"engine  batch-{b} decode: bare step {bare:.2f} ms, engine step {ms:.2f} ms = {b * 1e3 / ms:,.0f} tok/s"
-              for b, (bare, ms) in sorted(steps.items())]
-    return "\n".join([*lines, *extra])
