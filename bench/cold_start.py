@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
     parser.add_argument("--options", type=json.loads, default={},
-                        help="autodeploy's LLM options as JSON (CompileConfig fields), e.g. '{\"early_compiles\": false}'")
+                        help="autodeploy's LLM options as JSON (CompileConfig fields): '{\"early_compiles\": false}'")
     parser.add_argument("--config", default=None, metavar="DIR",
                         help="an HF config directory (instead of --shape's): this process then imports no torch, so on "
                         "a fresh machine the child is the first process to import it")

@@ -74,7 +74,8 @@ def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, h
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v, o, gate+up+down
-    return bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h + kv_bytes * layers * batch * context * 2 * kv
+    kv_cache = kv_bytes * layers * batch * context * 2 * kv
+    return bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h + kv_cache
 
 
 def hybrid_streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float, head_bytes: float,
@@ -115,7 +116,8 @@ def hf_model(cfg, attn_implementation: str | None = None):
     from transformers import AutoModelForCausalLM
 
     with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn_implementation).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn_implementation)
+    return model.eval()
 
 
 @torch.inference_mode()
@@ -186,7 +188,8 @@ def sequence_chunks(model, ids: list[list[int]], contexts: int | list[int]) -> l
     contexts = [contexts] * len(ids) if isinstance(contexts, int) else contexts
     per_seq = -(-(max(c + len(row) for c, row in zip(contexts, ids)) + 31) // model.block_size)
     return [SequenceChunk(tuple(row), c, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
-                          state_slot=b if model.num_state_slots else -1) for b, (row, c) in enumerate(zip(ids, contexts))]
+                          state_slot=b if model.num_state_slots else -1)
+            for b, (row, c) in enumerate(zip(ids, contexts))]
 
 
 @torch.inference_mode()

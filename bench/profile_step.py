@@ -107,7 +107,8 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     max_batch = max(batches + ([256] if args.eager else []))
-    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, WEIGHT_FORMATS[args.weights].settings)
+    settings = WEIGHT_FORMATS[args.weights].settings
+    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, settings)
     if args.eager:
         eager_steps(model, args.context)
     for b in batches:
