@@ -1,17 +1,11 @@
-"""The suite's cold-start section: process start to the first generated token, in a fresh process.
+"""The cold-start section: process start to the first generated token in a fresh process, the model built from a
+config directory with random bf16 weights (no checkpoint to read): ``autodeploy`` compiled with the defaults of
+``autodeploy serve`` (CUDA graphs included), one token; ``hf_eager``, transformers' ``generate``, one token;
+``hf_static``, ``generate(cache_implementation="static")``, two tokens (the second from the decode forward
+transformers compiles: the compile a served HF model pays before its first decode step).
 
-    python bench/full_table.py --sections coldstart
-    python bench/cold_start.py --shape llama8b [--impl autodeploy|hf_eager|hf_static]
+    python bench/cold_start.py --shape llama8b [--impl hf_static] [--options '{"compile_workers": 0}']
     python bench/cold_start.py --config DIR    # a fresh machine's first process: this one imports no torch
-
-The child builds the model from a config directory with random bf16 weights (no checkpoint to read)
-and generates:
-
-- ``autodeploy``: compiled with the defaults of ``autodeploy serve`` (CUDA graphs included), one token;
-- ``hf_eager``: transformers' ``generate``, one token;
-- ``hf_static``: ``generate(cache_implementation="static")``, two tokens: the first comes from the eager
-  prompt forward, the second from the decode forward transformers compiles (``torch.compile``), so the
-  time includes the compile a served HF model pays before its first decode step.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from table import WEIGHT_FORMATS, TableRow
+from table import IMPLS, WEIGHT_FORMATS, TableRow
 
 CHILD = """
 import json, sys, time
@@ -63,7 +57,6 @@ print(f"STAGES interpreter start {started:.3f}; import {imported - started:.1f} 
       f"model built {built - imported:.1f} s; generate {time.time() - built:.1f} s ({out.shape[1] - 4} tokens)",
       flush=True)
 """
-IMPLS = ("autodeploy", "hf_eager", "hf_static")
 
 
 def add_options(group) -> None:
@@ -114,29 +107,21 @@ def cold_start(shape: str, impl: str = "autodeploy", options: dict | None = None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama8b")
-    parser.add_argument("--compile-workers", type=int, default=None,
-                        help="CompileConfig.compile_workers: Triton compile processes (0: threads only; "
-                        "default: the runtime's)")
-    parser.add_argument("--early-compiles", choices=("on", "off"), default=None,
-                        help="CompileConfig.early_compiles: attention kernels guessed from the config compile "
-                        "during the export (default: the runtime's)")
     parser.add_argument("--impl", default="autodeploy", choices=IMPLS)
+    parser.add_argument("--options", type=json.loads, default={},
+                        help="autodeploy's LLM options as JSON (CompileConfig fields): '{\"early_compiles\": false}'")
     parser.add_argument("--config", default=None, metavar="DIR",
-                        help="an HF config directory (instead of --shape's): this process then imports no "
-                        "torch, so on a fresh machine the child is the first process to import it")
+                        help="an HF config directory (instead of --shape's): this process then imports no torch, so on "
+                        "a fresh machine the child is the first process to import it")
     args = parser.parse_args()
-    options = {"compile_workers": args.compile_workers} if args.compile_workers is not None else {}
-    if args.early_compiles is not None:
-        options["early_compiles"] = args.early_compiles == "on"
     try:
-        seconds, _ = cold_start(args.shape, args.impl, options, args.config)
+        seconds, _ = cold_start(args.shape, args.impl, args.options, args.config)
     except RuntimeError as error:
-        print(error)
-        sys.exit(1)
+        sys.exit(str(error))
     model = {"config": args.config} if args.config else {"shape": args.shape}
-    print(json.dumps({**model, "impl": args.impl, **options, "cold_start_s": round(seconds, 1)}))
+    print(json.dumps({**model, "impl": args.impl, **args.options, "cold_start_s": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,9 @@
-"""The suite's decode section: one decode step on one GPU, peers side by side, with the bandwidth floor.
-
-For each model shape (random weights made on the GPU) and batch size, with every sequence at ``--context``
-cached tokens, one decode step (one new token per sequence, including reading the sampled ids back to the
-host, as an engine step does) is timed for:
-
-- ``hf_eager``:   transformers, default attention, DynamicCache
-- ``hf_static``:  transformers with StaticCache + ``torch.compile(mode="reduce-overhead")``
-- ``autodeploy bare step``: the compiled model (CUDA graphs), one step after the other (metadata built and
-  sampled ids read back between steps, serially)
-- ``autodeploy engine``: the same model driven by the serving engine in steady state (scheduling, metadata,
-  greedy sampling, bookkeeping; with async scheduling they overlap the device's work): the number that counts
-
-Floor: the bytes a step must stream (every linear weight incl. the LM head, plus the KV cache read) / the
-copy bandwidth measured at the start of the run. Also the shared helpers of the other sections (model
-shapes, the copy bandwidth, compiling autodeploy, building the HF model).
-
-    python bench/full_table.py --sections decode --shapes llama8b --batches 1,64 --impls autodeploy
+"""The decode section: one decode step (one new token per sequence at ``--context`` cached tokens, the sampled
+ids read back to the host as an engine step does) of HF eager, HF static cache + ``torch.compile``, the bare
+compiled autodeploy step and the engine's step in steady state (the number that counts), against the bytes the
+step must stream (every linear weight, the KV cache, a hybrid's state) at the copy bandwidth. ``--prefill-batch``
+adds one prefill step of each. Also what the other sections share: the model shapes, the device's rates,
+compiling autodeploy with random weights, the HF model.
 """
 
 from __future__ import annotations
@@ -44,30 +32,37 @@ SHAPES = {
 
 def llama_config(shape: str):
     """The HF config of a shape: a Llama unless the shape names its ``model_type``."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     fields = dict(SHAPES[shape])
-    model_type = fields.pop("model_type", None)
-    if model_type is not None:
-        return AutoConfig.for_model(model_type, **fields, dtype="bfloat16")
-    return LlamaConfig(**fields, dtype="bfloat16")
+    return AutoConfig.for_model(fields.pop("model_type", "llama"), **fields, dtype="bfloat16")
+
+
+def _rate(op, work: float, repeats: int = 20) -> float:
+    """``work`` per second of ``op``, timed by CUDA events over ``repeats`` calls after 3 warm-up calls."""
+    for _ in range(3):
+        op()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        op()
+    end.record()
+    torch.cuda.synchronize()
+    return work * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), like the anchors."""
     src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    bw = 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
-    del src, dst
-    return bw
+    return _rate(lambda: dst.copy_(src), 2 * src.numel())
+
+
+def gemm_rate(size: int = 8192) -> float:
+    """bf16 FLOP/s of a ``size``-cube matmul (the anchors' 767 TFLOP/s on the H200)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    return _rate(lambda: a @ b, 2 * size**3)
 
 
 def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, head_bytes: float = 2,
@@ -77,12 +72,10 @@ def streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float = 2, h
     if hasattr(cfg, "mamba_d_state"):
         return hybrid_streamed_bytes(cfg, batch, context, bytes_per_weight, head_bytes, kv_bytes)
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    head = h // cfg.num_attention_heads
-    kv = cfg.num_key_value_heads * head
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v, o, gate+up+down
-    weights = bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h
     kv_cache = kv_bytes * layers * batch * context * 2 * kv
-    return weights + kv_cache
+    return bytes_per_weight * layers * per_layer + head_bytes * cfg.vocab_size * h + kv_cache
 
 
 def hybrid_streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float, head_bytes: float,
@@ -103,6 +96,7 @@ def hybrid_streamed_bytes(cfg, batch: int, context: int, bytes_per_weight: float
 
 
 def timed_steps(step, steps: int, warmup: int = 3) -> float:
+    """Milliseconds per call of ``step`` (wall time, the device synchronized at both ends)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -111,6 +105,11 @@ def timed_steps(step, steps: int, warmup: int = 3) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def hf_model(cfg, attn_implementation: str | None = None):
@@ -122,33 +121,23 @@ def hf_model(cfg, attn_implementation: str | None = None):
 
 
 @torch.inference_mode()
-def bench_hf_eager(model, batch: int, context: int, steps: int) -> float:
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1)}
-
-    def step():
-        out = model(state["next"][:, None], past_key_values=state["past"], use_cache=True)
-        state["next"] = out.logits[:, -1].argmax(-1)
-        state["next"].tolist()
-
-    return timed_steps(step, steps)
-
-
-@torch.inference_mode()
-def bench_hf_static(model, batch: int, context: int, steps: int) -> tuple[float, float]:
+def bench_hf(model, batch: int, context: int, steps: int, static: bool) -> tuple[float, float]:
+    """(ms per decode step, seconds of the first two steps: ``static``'s compile) after a prefill of ``context``
+    random tokens; ``static``: a StaticCache and the forward ``torch.compile``d (reduce-overhead)."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=context + steps + 16)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                cache_position=torch.arange(context, device="cuda"))
-    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    state = {"next": out.logits[:, -1].argmax(-1), "pos": context}
+    forward, kwargs = model.forward, {}
+    if static:
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        kwargs = dict(past_key_values=StaticCache(config=model.config, max_cache_len=context + steps + 16),
+                      cache_position=torch.arange(context, device="cuda"))
+    out = model(torch.randint(0, model.config.vocab_size, (batch, context), device="cuda"), use_cache=True,
+                logits_to_keep=1, **kwargs)
+    cache, state = out.past_key_values, {"next": out.logits[:, -1].argmax(-1), "pos": context}
 
     def step():
-        pos = torch.tensor([state["pos"]], device="cuda")
-        out = forward(state["next"][:, None], past_key_values=cache, use_cache=True, cache_position=pos)
+        position = {"cache_position": torch.tensor([state["pos"]], device="cuda")} if static else {}
+        out = forward(state["next"][:, None], past_key_values=cache, use_cache=True, **position)
         state["next"] = out.logits[:, -1].argmax(-1)
         state["next"].tolist()
         state["pos"] = min(state["pos"] + 1, context + steps + 8)
@@ -156,37 +145,58 @@ def bench_hf_static(model, batch: int, context: int, steps: int) -> tuple[float,
     start = time.perf_counter()
     step()
     step()
-    compile_s = time.perf_counter() - start
-    return timed_steps(step, steps), compile_s
+    return timed_steps(step, steps), time.perf_counter() - start
 
 
-def compile_autodeploy(cfg, max_batch: int, context: int, settings: dict | None = None, overrides=()):
-    """(model, compile seconds): random weights on CUDA, a pool for ``max_batch`` sequences of ``context``
-    tokens and some room; ``settings`` are CompileConfig fields (a weight format's), ``overrides`` dotted
-    ``key=value`` strings (``--set``)."""
+@torch.inference_mode()
+def bench_hf_prefill(model, batch: int, length: int, steps: int, static: bool) -> float:
+    """ms of HF's forward over ``batch`` prompts of ``length`` tokens (``static``: into a StaticCache, the forward
+    ``torch.compile``d, its compile in the warm-up)."""
+    from transformers import StaticCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
+    kwargs, forward = dict(use_cache=True, logits_to_keep=1), model.forward
+    if static:
+        kwargs |= dict(past_key_values=StaticCache(config=model.config, max_cache_len=length),
+                       cache_position=torch.arange(length, device="cuda"))
+        forward = torch.compile(model.forward, fullgraph=True)
+    return timed_steps(lambda: forward(ids, **kwargs).logits[:, -1].argmax(-1).tolist(), steps)
+
+
+def compile_autodeploy(cfg, max_batch: int, context: int, settings: dict | None = None, overrides=(), **fields):
+    """(model, compile seconds): random weights on CUDA, a pool for ``max_batch`` sequences of ``context`` tokens
+    and some room; ``settings`` and ``fields`` are CompileConfig fields (a weight format's), ``overrides``
+    dotted ``key=value`` strings (``--set``)."""
     from autodeploy.compiler import compile_config
     from autodeploy.config import CompileConfig, parse_set_option, set_dotted
 
-    block = 16
-    # room past the context for the engine rows: their first prompts decode while later ones prefill
-    max_seq_len = context + 64
-    blocks = max_batch * (-(-max_seq_len // block)) + 1
-    fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch,
-                  max_seq_len=max_seq_len, num_kv_blocks=blocks, tokens_per_block=block) | (settings or {})
+    max_seq_len = context + 64  # the engine rows' first prompts decode while later ones prefill
+    fields = dict(weights="random", dtype="bfloat16", device="cuda", max_batch_size=max_batch, max_seq_len=max_seq_len,
+                  num_kv_blocks=max_batch * -(-max_seq_len // 16) + 1, tokens_per_block=16) | fields | (settings or {})
     for item in overrides:  # passes.fuse_norm_linear.enabled=false
         set_dotted(fields, *parse_set_option(item))
     start = time.perf_counter()
-    model = compile_config(cfg, CompileConfig(**fields))
+    model = compile_config(cfg, CompileConfig(**{k: v for k, v in fields.items() if v is not None}))
     return model, time.perf_counter() - start
+
+
+def sequence_chunks(model, ids: list[list[int]], contexts: int | list[int]) -> list:
+    """Sequence ``b``: ``ids[b]`` at ``contexts[b]`` cached tokens (one number: all of them), on KV blocks of its
+    own (and a state slot)."""
+    from autodeploy.kvcache.metadata import SequenceChunk
+
+    contexts = [contexts] * len(ids) if isinstance(contexts, int) else contexts
+    per_seq = -(-(max(c + len(row) for c, row in zip(contexts, ids)) + 31) // model.block_size)
+    return [SequenceChunk(tuple(row), c, tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
+                          state_slot=b if model.num_state_slots else -1)
+            for b, (row, c) in enumerate(zip(ids, contexts))]
 
 
 @torch.inference_mode()
 def decode_chunks(model, batch: int, context: int, seed: int = 0) -> list:
-    """A decode step of ``batch`` sequences with ``context`` cached tokens each, over a KV pool of
-    random values and random token ids: a pool of zeros and identical rows draw less power and run
-    faster than real data (METHOD.md), which flattered earlier bare-step numbers."""
-    from autodeploy.kvcache.metadata import SequenceChunk
-
+    """A decode step of ``batch`` sequences with ``context`` cached tokens each, over a KV pool of random values
+    and random token ids: a pool of zeros and identical rows draw less power and run faster than real data
+    (METHOD.md), which flattered earlier bare-step numbers."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for cache in model.pool.caches:
         if cache.dtype == torch.float8_e4m3fn:  # (no random kernels for FP8: values of scale 1.0 cast to e4m3)
@@ -195,55 +205,28 @@ def decode_chunks(model, batch: int, context: int, seed: int = 0) -> list:
             cache.normal_(generator=gen)
     for state in model.pool.state.states if model.pool.state is not None else ():
         state.normal_(generator=gen)
-    ids = torch.randint(0, model.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [SequenceChunk(tuple(ids[b]), context, **_placed(model, b, context)) for b in range(batch)]
+    return sequence_chunks(model, _random_ids(model, batch, 1, seed), context)
 
 
-def _placed(model, b: int, context: int) -> dict:
-    """Sequence ``b``'s KV blocks (room for ``context`` tokens and some) and state slot (a model with state)."""
-    per_seq = -(-(context + 32) // model.block_size)
-    return {"block_ids": tuple(range(b * per_seq + 1, (b + 1) * per_seq + 1)),
-            "state_slot": b if model.num_state_slots else -1}
+def _random_ids(model, batch: int, length: int, seed: int) -> list[list[int]]:
+    return torch.randint(0, model.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @torch.inference_mode()
 def bench_autodeploy(model, batch: int, context: int, steps: int) -> float:
     chunks = decode_chunks(model, batch, context)
-
-    def step():
-        model(chunks).argmax(-1).tolist()
-
-    return timed_steps(step, steps)
-
-
-@torch.inference_mode()
-def bench_autodeploy_prefill(model, batch: int, length: int, steps: int) -> float:
-    """One step prefilling ``batch`` random prompts of ``length`` tokens, in ms."""
-    from autodeploy.kvcache.metadata import SequenceChunk
-
-    ids = torch.randint(0, model.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1)).tolist()
-    chunks = [SequenceChunk(tuple(ids[b]), 0, **_placed(model, b, length)) for b in range(batch)]
     return timed_steps(lambda: model(chunks).argmax(-1).tolist(), steps)
 
 
 @torch.inference_mode()
-def bench_hf_prefill(model, batch: int, length: int, steps: int, static: bool) -> float:
-    """HF's forward over ``batch`` prompts of ``length`` tokens (with ``static``: into a StaticCache, the
-    forward ``torch.compile``d, its compile in the warm-up), in ms."""
-    from transformers import StaticCache
-
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
-    kwargs = dict(use_cache=True, logits_to_keep=1)
-    forward = model.forward
-    if static:
-        kwargs |= dict(past_key_values=StaticCache(config=model.config, max_cache_len=length),
-                       cache_position=torch.arange(length, device="cuda"))
-        forward = torch.compile(model.forward, fullgraph=True)
-    return timed_steps(lambda: forward(ids, **kwargs).logits[:, -1].argmax(-1).tolist(), steps)
+def bench_autodeploy_prefill(model, batch: int, length: int, steps: int) -> float:
+    """ms of one step prefilling ``batch`` random prompts of ``length`` tokens."""
+    chunks = sequence_chunks(model, _random_ids(model, batch, length, seed=1), 0)
+    return timed_steps(lambda: model(chunks).argmax(-1).tolist(), steps)
 
 
 def bench_engine(model, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """(ms per step, ms per step the host spent waiting for the device)."""
+    """(ms per engine decode step, ms per step the host spent waiting for the device)."""
     from autodeploy.serve.bench import engine_decode_step_ms
 
     timing = engine_decode_step_ms(model, batch, context - 4, steps)  # prompt + a few tokens ~ context
@@ -251,16 +234,12 @@ def bench_engine(model, batch: int, context: int, steps: int) -> tuple[float, fl
 
 
 def add_options(group) -> None:
-    group.add_argument("--shapes", default="llama8b,smollm2", help="model shapes (SHAPES)")
+    group.add_argument("--shapes", default="llama8b,smollm2", help=f"model shapes: some of {', '.join(SHAPES)}")
     group.add_argument("--batches", default="1,8,64,256", help="batch sizes")
-    group.add_argument("--static-batches", default="1,8,64,256",
-                       help="batches with HF static cache + torch.compile")
     group.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     group.add_argument("--steps", type=int, default=20, help="timed steps")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="compile setting of the autodeploy rows (dotted key), e.g. "
-                       "passes.warm_up.enabled=false")
-    group.add_argument("--label", default="", help="suffix of the autodeploy rows' names (A/B runs)")
+                       help="compile setting of the autodeploy rows (dotted key), e.g. kv_cache_dtype=fp8")
     group.add_argument("--prefill-batch", type=int, default=0,
                        help="also time one prefill of this many prompts of --context tokens (0: no prefill rows)")
 
@@ -284,42 +263,42 @@ def _row(shape: str, batch: int, impl: str, ms: float | None, floor_s: float | N
                     floor_s, note, weights)
 
 
+def _failed(exc: Exception) -> str:
+    return f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+
+
 def _prefill_row(shape: str, impl: str, args, bench) -> TableRow:
     """The prefill row of ``impl``: ``bench(batch, length, steps)`` ms, or why it could not run."""
     batch, length = args.prefill_batch, args.context
     try:
         ms, note = bench(batch, length, args.steps), ""
     except Exception as exc:  # a peer that cannot run this model (HF's hybrid cache under compile): say so
-        ms, note = None, f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        ms, note = None, _failed(exc)
     return _row(shape, batch, impl, ms, None, note, workload=f"prefill {{batch}} x {length}", tokens=batch * length)
 
 
 def hf_rows(shape: str, cfg, batches: list[int], args, bandwidth: float) -> Iterator[TableRow]:
-    """HF eager at every batch, HF static cache + compile at ``--static-batches``; each row when measured."""
-    static_batches = {int(b) for b in args.static_batches.split(",") if b}
+    """HF eager and HF static cache + compile at every batch (then their prefill rows); each row when measured."""
     model = hf_model(cfg)
+    peers = [impl for impl in ("hf_eager", "hf_static") if impl in args.impls]
     for b in batches:
         floor = streamed_bytes(cfg, b, args.context) / bandwidth
-        if "hf_eager" in args.impls:
-            yield _row(shape, b, "hf_eager", bench_hf_eager(model, b, args.context, args.steps), floor)
-        if "hf_static" in args.impls and b in static_batches:
+        for impl in peers:
             try:
-                ms, compile_s = bench_hf_static(model, b, args.context, args.steps)
-                yield _row(shape, b, "hf_static", ms, floor, f"first calls {compile_s:.0f} s")
+                ms, first_s = bench_hf(model, b, args.context, args.steps, static=impl == "hf_static")
+                yield _row(shape, b, impl, ms, floor, f"first calls {first_s:.0f} s" if impl == "hf_static" else "")
             except Exception as exc:  # a hybrid's cache may not compile: the table says so
-                yield _row(shape, b, "hf_static", None, floor, f"failed: {type(exc).__name__}: {str(exc)[:160]}")
+                yield _row(shape, b, impl, None, floor, _failed(exc))
             torch._dynamo.reset()
         free_memory()
-    for impl in ("hf_eager", "hf_static") if args.prefill_batch else ():
-        if impl in args.impls:
-            yield _prefill_row(shape, impl, args, lambda *a: bench_hf_prefill(model, *a, static=impl == "hf_static"))
-            torch._dynamo.reset()
+    for impl in peers if args.prefill_batch else ():
+        yield _prefill_row(shape, impl, args, lambda *a: bench_hf_prefill(model, *a, static=impl == "hf_static"))
+        torch._dynamo.reset()
     del model
     free_memory()
 
 
-def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
-                    bandwidth: float) -> Iterator[TableRow]:
+def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args, bandwidth: float) -> Iterator[TableRow]:
     """The bare step and the engine's step at every batch, one compile for all of them."""
     model, compile_s = compile_autodeploy(cfg, max(batches), args.context, weights.settings, tuple(args.set))
     print(model.report.pass_table(), flush=True)
@@ -327,17 +306,10 @@ def autodeploy_rows(shape: str, cfg, batches: list[int], weights, args,
         floor = streamed_bytes(cfg, b, args.context, weights.bytes_per_weight, weights.head_bytes_per_weight,
                                model.pool.caches[0].element_size()) / bandwidth
         ms = bench_autodeploy(model, b, args.context, args.steps)
-        yield _row(shape, b, "autodeploy bare step" + args.label, ms, floor, f"compile {compile_s:.0f} s",
-                   weights.name)
+        yield _row(shape, b, "autodeploy bare step", ms, floor, f"compile {compile_s:.0f} s", weights.name)
         ms, waited = bench_engine(model, b, args.context, args.steps)
-        yield _row(shape, b, "autodeploy engine" + args.label, ms, floor, f"host waited {waited:.2f} ms/step",
-                   weights.name)
+        yield _row(shape, b, "autodeploy engine", ms, floor, f"host waited {waited:.2f} ms/step", weights.name)
     if args.prefill_batch:
-        yield _prefill_row(shape, "autodeploy" + args.label, args, lambda *a: bench_autodeploy_prefill(model, *a))
+        yield _prefill_row(shape, "autodeploy", args, lambda *a: bench_autodeploy_prefill(model, *a))
     del model
     free_memory()
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()

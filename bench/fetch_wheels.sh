@@ -7,8 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+download=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+"${download[@]}" -d .whl \
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api importlib-metadata zipp \
   prometheus-client httpx httpcore h11 anyio sniffio certifi idna py-spy pyzmq==27.3.0 msgspec==0.23.0 \
@@ -16,9 +17,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # guidellm (the independent client of the serving section's --guidellm hook, bench/guidellm_load.sh) and what
 # the GPU image lacks of its dependencies (it has torch, transformers, numpy, pandas, pyarrow, aiohttp, click, rich,
 # pyyaml, protobuf); installed apart on the GPU machine: pip install --no-deps --target /tmp/gl .whl/guidellm/*.whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 -d .whl/guidellm \
+"${download[@]}" --platform manylinux1_x86_64 -d .whl/guidellm \
   guidellm==0.8.1 culsans aiologic datasets dill multiprocess xxhash eval-type-backport faker ftfy wcwidth loguru \
   msgpack pydantic-settings python-dotenv sanic sanic-routing html5tagger tracerite aiofiles httptools ujson \
   websockets tabulate tomlkit uvloop more-itertools h2 hpack hyperframe httpx2 httpcore2 truststore wrapt \

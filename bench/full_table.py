@@ -1,28 +1,13 @@
-"""The benchmark suite: every workload of docs/perf.md in one table, each against its peers and a floor
-measured in the same run, written as a table and as JSON.
+"""The suite's entry point: the chosen sections (``SECTIONS``: each a module of this folder with
+``add_options(group)`` and ``table_rows(args, header)`` yielding ``table.TableRow``s), after a header that
+measures the rates the floors come from; one table, and JSON saved after every row. ``bench/README.md`` says
+what each section answers; ``bash bench/run.sh`` runs them all on a GPU machine.
 
-    bash bench/run.sh                       # on a GPU machine: install, every section, one table (~25 min)
-    bash bench/run.sh decode                # one section (each fits a 10-minute device call)
     python bench/full_table.py --sections decode,kernels --json out/run.json
     python bench/full_table.py --merge out/decode.json out/offline.json --json out/table.json
     python bench/full_table.py --dry-run    # the plan and every option, without a GPU
 
-Sections (``SECTIONS``; each module yields ``table.TableRow``s from ``table_rows(args, header)`` and adds
-its options in ``add_options(group)``; a new section is one more entry):
-
-- decode: one decode step of HF eager, HF static cache + torch.compile and autodeploy (bare step and engine),
-  floor = the bytes a step streams / copy bandwidth (``decode_bench.py``);
-- offline: 512 requests through autodeploy's engine and HF ``generate``, floor = the run's linear FLOPs at the
-  GEMM rate + its decode KV reads at the copy rate (``offline_bench.py``, ``hf_peers.py``);
-- serving: ``autodeploy serve`` under ``autodeploy bench serve`` at several concurrencies, next to the
-  engine's decode step at the same batch (``serving_bench.py``);
-- coldstart: process start to the first token, fresh process, autodeploy and the HF peers (``cold_start.py``);
-- kernels: every Triton kernel timed against its byte/FLOP floor (``kernel_bench.py``);
-- structured: the engine's decode step at batch 64, free and under a JSON-schema grammar: structured output's
-  cost per token (``structured_bench.py``).
-
-What the GPU computes is tested, not benchmarked: ``tests/gpu`` (``bash bench/run.sh tests``). Exit status 1 if
-a row failed a check (a serving run with failed requests, a done-when check).
+Exit status 1 if a row failed a check (a serving run with failed requests, a done-when check, a kernel's).
 """
 
 from __future__ import annotations
@@ -35,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_peers import IMPLS as PEERS
-from table import WEIGHT_FORMATS, Header, TableRow, load, print_table, save
+from table import IMPLS, WEIGHT_FORMATS, Header, TableRow, load, print_table, save
 
 SECTIONS = {  # name -> module of this folder; the order of a full run
     "decode": "decode_bench",
@@ -46,23 +30,6 @@ SECTIONS = {  # name -> module of this folder; the order of a full run
     "kernels": "kernel_bench",
     "structured": "structured_bench",
 }
-
-
-def gemm_rate(size: int = 8192, repeats: int = 20) -> float:
-    """bf16 GEMM FLOP/s of one ``size``-cube matmul in a loop (the anchors' 767 TFLOP/s on the H200)."""
-    import torch
-
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * size**3 * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def commit() -> str:
@@ -84,7 +51,7 @@ def measure_header(sections: str) -> Header:
     import torch
     import transformers
     import triton
-    from decode_bench import copy_bandwidth
+    from decode_bench import copy_bandwidth, gemm_rate
 
     return Header(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name(0),
                   torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
@@ -109,7 +76,7 @@ def parser() -> tuple[argparse.ArgumentParser, dict]:
     """The suite's options, and each section's argument group (its ``add_options``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {', '.join(SECTIONS)}")
-    p.add_argument("--impls", default="autodeploy," + ",".join(PEERS),
+    p.add_argument("--impls", default=",".join(IMPLS),
                    help="decode, offline and cold start: which to run (autodeploy, hf_eager, hf_static)")
     p.add_argument("--weights", default="bf16",
                    help=f"autodeploy's weight formats: some of {', '.join(WEIGHT_FORMATS)}")
@@ -125,7 +92,7 @@ def parser() -> tuple[argparse.ArgumentParser, dict]:
 def check_args(p: argparse.ArgumentParser, args) -> None:
     """Refuse unknown names before anything runs; parse the comma lists once."""
     for option, given, known in (("--sections", args.sections, SECTIONS),
-                                 ("--impls", args.impls, ("autodeploy", *PEERS)),
+                                 ("--impls", args.impls, IMPLS),
                                  ("--weights", args.weights, WEIGHT_FORMATS)):
         unknown = sorted(set(given.split(",")) - set(known))
         if unknown:

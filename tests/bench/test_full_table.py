@@ -12,7 +12,6 @@ from pathlib import Path
 import cold_start
 import decode_bench
 import full_table
-import hf_peers
 import offline_bench
 import pytest
 import table
@@ -91,18 +90,18 @@ def test_a_hybrid_decode_floor_adds_each_sequences_state_and_a_failed_peer_is_a_
     assert row.seconds == 0.016 and row.tokens_per_s == 2000
 
 
-@pytest.mark.parametrize("impl", hf_peers.IMPLS)
+@pytest.mark.parametrize("impl", offline_bench.PEERS)
 def test_hf_peers_generate_every_requested_token(impl):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
-    seconds, ran = hf_peers.hf_offline(model, impl, input_len=6, output_len=5, num_requests=4, batch=2)
+    seconds, ran = offline_bench.hf_offline(model, impl, input_len=6, output_len=5, num_requests=4, batch=2)
     assert ran == 4 and seconds > 0
-    out = hf_peers.generate_batch(model, torch.ones(2, 3, dtype=torch.long), 7, impl, stop_after=2)
+    out = offline_bench.generate_batch(model, torch.ones(2, 3, dtype=torch.long), 7, impl, stop_after=2)
     assert out.shape == (2, 5)  # the warm-up's early stop
     with pytest.raises(ValueError, match="batches of 3"):
-        hf_peers.hf_offline(model, impl, 6, 5, num_requests=4, batch=3)
+        offline_bench.hf_offline(model, impl, 6, 5, num_requests=4, batch=3)
     with pytest.raises(ValueError, match="unknown HF peer"):
-        hf_peers.generate_batch(model, torch.ones(1, 3, dtype=torch.long), 2, "hf_turbo")
+        offline_bench.generate_batch(model, torch.ones(1, 3, dtype=torch.long), 2, "hf_turbo")
 
 
 def test_hf_offline_row_halves_the_batch_until_it_fits(monkeypatch):
@@ -114,10 +113,9 @@ def test_hf_offline_row_halves_the_batch_until_it_fits(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory")
         return 10.0, requests
 
-    monkeypatch.setattr(hf_peers, "hf_offline", fake_offline)
+    monkeypatch.setattr(offline_bench, "hf_offline", fake_offline)
     monkeypatch.setattr(offline_bench, "free_memory", lambda: None)
-    args = full_table.argparse.Namespace(hf_batch_short=512, hf_batch_long=128, hf_requests_long=128, requests=512)
-    row = offline_bench.hf_offline_row(None, "hf_eager", 1000, 1000, args, "w", floor=5.0)
+    row = offline_bench.hf_offline_row(None, "hf_eager", 1000, 1000, 512, "w", floor=5.0)
     assert tried == [128, 64, 32]
     assert row.note.startswith("batches of 128 ran out of memory; batches of 64 ran out of memory; batches of 32")
     assert row.seconds == 40.0 and row.tokens_per_s == 512 * 1000 / 40.0  # 128 of 512 requests run: scaled
@@ -208,28 +206,33 @@ def test_decode_rows_come_one_by_one_with_their_floor(monkeypatch):
             return value
         return bench
 
+    def bench_hf(model, batch, context, steps, static):
+        if static and batch > 1:
+            raise RuntimeError("cache not compilable")
+        return timed((8.0, 30.0) if static else (50.0, 0.1))()
+
     monkeypatch.setattr(decode_bench, "hf_model", lambda cfg: object())
     monkeypatch.setattr(decode_bench, "free_memory", lambda: None)
-    monkeypatch.setattr(decode_bench, "bench_hf_eager", timed(50.0))
-    monkeypatch.setattr(decode_bench, "bench_hf_static", timed((8.0, 30.0)))
+    monkeypatch.setattr(decode_bench, "bench_hf", bench_hf)
     pool = type("Pool", (), {"caches": [torch.empty(1, dtype=torch.bfloat16)]})()
     model = type("Model", (), {"report": type("Report", (), {"pass_table": lambda self: ""})(), "pool": pool})()
     monkeypatch.setattr(decode_bench, "compile_autodeploy", lambda *args: (model, 40.0))
     monkeypatch.setattr(decode_bench, "bench_autodeploy", timed(4.2))
     monkeypatch.setattr(decode_bench, "bench_engine", timed((4.0, 3.5)))
-    args = full_table.argparse.Namespace(shapes="llama8b", batches="1,64", static_batches="1", context=512, steps=5,
-                                         impls=("autodeploy", "hf_eager", "hf_static"), set=[], label="", prefill_batch=0,
+    args = full_table.argparse.Namespace(shapes="llama8b", batches="1,64", context=512, steps=5, set=[],
+                                         impls=("autodeploy", "hf_eager", "hf_static"), prefill_batch=0,
                                          weights=[table.WEIGHT_FORMATS["bf16"]])
     rows = decode_bench.table_rows(args, HEADER)
     first = next(rows)
-    assert measured == [50.0] and first.impl == "hf_eager" and first.workload == "llama8b batch 1"
+    assert measured == [(50.0, 0.1)] and first.impl == "hf_eager" and first.workload == "llama8b batch 1"
     rows = [first, *rows]
     assert [(r.workload.split()[-1], r.impl) for r in rows] == [
-        ("1", "hf_eager"), ("1", "hf_static"), ("64", "hf_eager"),
+        ("1", "hf_eager"), ("1", "hf_static"), ("64", "hf_eager"), ("64", "hf_static"),
         ("1", "autodeploy bare step"), ("1", "autodeploy engine"),
         ("64", "autodeploy bare step"), ("64", "autodeploy engine")]
+    assert rows[1].note == "first calls 30 s" and rows[3].seconds is None and "cache not compilable" in rows[3].note
     floor_1 = decode_bench.streamed_bytes(decode_bench.llama_config("llama8b"), 1, 512) / HEADER.bandwidth
-    assert rows[4].seconds == 0.004 and math.isclose(rows[4].floor_s, floor_1) and rows[4].tokens_per_s == 250.0
+    assert rows[5].seconds == 0.004 and math.isclose(rows[5].floor_s, floor_1) and rows[5].tokens_per_s == 250.0
     assert 3.3e-3 < floor_1 < 4.2e-3  # ~16 GB of weights at 4 TB/s
     assert {r.weights for r in rows} == {"bf16"}
 

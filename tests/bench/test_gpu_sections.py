@@ -31,9 +31,10 @@ def test_rotary_rows_are_the_rotation_of_each_tokens_position():
 
 def test_head_major_pools_keep_the_logical_shape_with_each_heads_page_contiguous():
     """The kernel reads the pool through its strides, so a head-major pool is a view."""
-    token_major = kernel_bench._cache(3, 2, 8, head_major=False, device="cpu")
-    head_major = kernel_bench._cache(3, 2, 8, head_major=True, device="cpu")
-    assert token_major.shape == head_major.shape == (3, 2, kernel_bench.PAGE, 2, 8)
+    seqs = [(20, 1), (3, 2)]  # 2 + 1 pages, one spare
+    token_major, head_major = (kernel_bench.paged_batch(seqs, 4, 2, 8, head_major=layout, device="cpu").cache
+                               for layout in (False, True))
+    assert token_major.shape == head_major.shape == (4, 2, kernel_bench.PAGE, 2, 8)
     assert token_major.is_contiguous() and not head_major.is_contiguous()
     assert head_major.transpose(2, 3).is_contiguous()  # [page, k/v, head, token, dim] in memory
     assert head_major.stride(2) == 8 and head_major.stride(3) == kernel_bench.PAGE * 8
@@ -67,39 +68,41 @@ def test_the_fp8_pool_holds_each_half_at_its_own_scale():
 def test_serving_section_measures_a_real_server(tmp_path):
     """The section's history server on the CPU (tiny random model with the section's tokenizer): every load of
     the plan (token-id and text prompts, Poisson, the long mix), the guidellm hook, the rows, the verdicts and
-    the issue's table; the server stopped afterwards."""
+    the issue's table in the rows' notes; the server stopped afterwards."""
     import argparse
 
     import httpx
 
     from autodeploy.tiny import make_tiny_checkpoint
-    from serving_checks import EngineSteps, check_rows, done_when_table
 
     model_dir = str(make_tiny_checkpoint("llama", tmp_path / "m", vocab_size=2048))
     serving_bench.save_tokenizer(model_dir)
-    plan = serving_bench.Plan([1, 2], 8, 4, 40, 4, per_slot=4, fresh_server=False, poisson_requests=4,
-                              long_requests=2)
+    args = argparse.Namespace(concurrency="1,2", serving_len="8/4", long_len="40/4", serving_quick=True)
+    plan = serving_bench.Plan.from_args(args)
+    assert plan == serving_bench.Plan([1, 2], (8, 4), (40, 4), per_slot=2, fresh_server=False)
     options = serving_bench.server_options(2, 44, {"dtype": "float32"}) + ["--device", "cpu"]
     hook = "echo {url} > {out}/url; echo '{\"output_tok_s\": 12.5}'"
-    args = argparse.Namespace(server_timeout=240, guidellm=hook)
-    runs, hooks = serving_bench.serve_all(args, plan, model_dir, options, tmp_path / "out", 2048)
+    runs, hooks = serving_bench.serve_all(hook, plan, model_dir, options, tmp_path / "out", 2048)
     assert [r.name for r in runs] == ["c1 #1", "c2 #1", "c2 #2", runs[3].name, "40/4 c2"]
     assert runs[3].name.startswith("poisson 80% (") and runs[3].concurrency is None
     assert all(r.result.failed == 0 and r.compiles_after_ready == 0 for r in runs)
-    assert [r.result.completed for r in runs] == [4, 8, 8, 4, 2]
+    assert [r.result.completed for r in runs] == [2, 4, 4, 4, 2]
     assert runs[4].text_prompts and 36 <= runs[4].result.mean_prompt_tokens <= 41  # the server adds <s>
     assert hooks[0].passed and hooks[0].tokens_per_s == 12.5
     assert (tmp_path / "out" / "timeline_history.jsonl").stat().st_size > 0
-    row = serving_bench.serving_row("tiny c2", runs[1].result, floor=1e-3, weights="fp32")
-    assert row.seconds == runs[1].result.itl.p50_ms / 1e3 and row.tokens_per_s == runs[1].result.output_throughput
-    assert row.passed is None and row.metrics["TTFT"]["p99"] == runs[1].result.ttft.p99_ms
+    assert "listening on" in (tmp_path / "out" / "timeline_history.log").read_text()
+    result = runs[1].result
+    row = serving_bench.serving_row("tiny c2", runs[1], floor=1e-3, weights="fp32",
+                                    engine=(2, 2 * result.output_throughput))
+    assert row.seconds == result.itl.p50_ms / 1e3 and row.tokens_per_s == result.output_throughput
+    assert row.passed is None and row.metrics["TTFT"]["p99"] == result.ttft.p99_ms
+    assert row.note.startswith("50% of engine b2; TTFT p50/p90/p99 ") and "token-id prompts of" in row.note
     # a batch-1 step no server can match, a batch-2 step no server can be slower than
-    steps = EngineSteps({1: (1e-6, 1e-6), 2: (1e9, 1e9)})
-    checks = {r.impl: r.passed for r in check_rows(runs, steps, plan.concurrencies, "tiny")}
+    steps = {1: (1e-6, 1e-6), 2: (1e9, 1e9)}
+    checks = {r.impl: r.passed for r in serving_bench.check_rows(runs, steps, plan.concurrencies, "tiny")}
     assert checks["check: >= 85% of engine b2 tok/s"] and checks["check: compiles after ready"]
     assert checks["check: TPOT p50 ms within 5% of the bare step"] is False
-    table = done_when_table(runs, steps, 2, [hooks[0].note])
-    assert "c2 #2" in table and "batch-2 decode" in table and table.endswith("output_tok_s 12.5")
+    assert hooks[0].note.endswith("output_tok_s 12.5")
     url = (tmp_path / "out" / "url").read_text().strip()
     with pytest.raises(httpx.HTTPError):  # the server is gone
         httpx.get(f"{url}/health", timeout=2)

@@ -1,5 +1,5 @@
 """FP8 on real weights: the demo model (SmolLM2-135M-Instruct), bf16 against online FP8 on the
-held-out text of ``bench/quant_quality.py`` (503 tokens, CPU, bf16). docs/quantization.md has the
+held-out text of ``bench/probes/quant_quality.py`` (503 tokens, CPU, bf16). docs/quantization.md has the
 whole table (every format) and why near-ties are counted apart: measured 0.9165 overall, 0.9804
 outside near-ties, perplexity 34.08 against bf16's 33.54."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "probes"))
 import quant_quality  # noqa: E402
 
 

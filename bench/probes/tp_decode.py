@@ -1,8 +1,8 @@
 """Tensor parallelism on GPUs: greedy equality of TP=N with TP=1, decode ms/step, all-reduce time.
 
-    python bench/tp_decode.py --tp 2 --shape llama8b                     # 2 GPUs: the issue's table
-    python bench/tp_decode.py --tp 2 --shape llama8b --fast-all-reduce 1048576   # + symmetric memory
-    python bench/tp_decode.py --tp 2 --shape tiny --device cpu --steps 8  # the same code on the CPU (gloo)
+    python bench/probes/tp_decode.py --tp 2 --shape llama8b                     # 2 GPUs: the issue's table
+    python bench/probes/tp_decode.py --tp 2 --shape llama8b --fast-all-reduce 1048576   # + symmetric memory
+    python bench/probes/tp_decode.py --tp 2 --shape tiny --device cpu --steps 8  # the same code on the CPU (gloo)
 
 Weights are random and seeded by parameter name, so TP=1 and every rank of TP=N hold slices of the
 same model. Each configuration runs in fresh processes (rank 0 drives, the others follow its steps):
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from decode_bench import SHAPES, decode_chunks  # noqa: E402  (after the path: bench/ is no package)
 
 SHAPES = {**SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

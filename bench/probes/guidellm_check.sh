@@ -6,7 +6,7 @@
 #     python -m venv /tmp/guidellm-venv
 #     /tmp/guidellm-venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
 #     /tmp/guidellm-venv/bin/pip install guidellm
-#     GUIDELLM=/tmp/guidellm-venv/bin/guidellm bash bench/guidellm_check.sh
+#     GUIDELLM=/tmp/guidellm-venv/bin/guidellm bash bench/probes/guidellm_check.sh
 #
 # guidellm takes the first model /v1/models lists (the demo's Hub id, HuggingFaceTB/SmolLM2-135M-Instruct)
 # and loads that tokenizer to build its prompts: from the Hub, or from the local Hugging Face cache. Where

@@ -2,8 +2,8 @@
 (the bf16 model) at every position, and perplexity. CPU or GPU; one prefill of the whole text per
 variant through the compiled model (every position's logits), teacher-forced.
 
-    python bench/quant_quality.py                               # the demo model: bf16, online fp8, nvfp4
-    python bench/quant_quality.py --extra ct-fp8-dynamic=/path/to/llmcompressor/checkpoint \\
+    python bench/probes/quant_quality.py                               # the demo model: bf16, online fp8, nvfp4
+    python bench/probes/quant_quality.py --extra ct-fp8-dynamic=/path/to/llmcompressor/checkpoint \\
                                   --extra modelopt-nvfp4=/path/to/modelopt/checkpoint
 
 The producer checkpoints of the demo model come from ``tests/fixtures/quant/make_fixtures.py demo``
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-HELDOUT = Path(__file__).resolve().parent / "data" / "quant_heldout.txt"
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "quant_heldout.txt"
 
 
 @dataclass(frozen=True)
