@@ -45,17 +45,20 @@ class SmallMLaunch:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: int = 0  # K tiles of each split asked into L2 before the PDL wait (PDL launches only)
 
     @classmethod
     def choose(cls, m: int, n: int, k: int, programs: int = 528, block_n: int = 64,
                block_k: int = 128) -> "SmallMLaunch":
-        """Rows padded to 16/32/64; K split in halves while the launch has fewer than ``programs``
-        programs (four per SM of an H100) and each split keeps at least 4 K tiles, at most 8 ways."""
-        block_m = max(16, triton.next_power_of_2(m))
+        """Rows padded to 16/32/64 (row tiles of 64 beyond); K split in halves while the launch has fewer
+        than ``programs`` programs (four per SM of an H100) and each split keeps at least 4 K tiles, at
+        most 8 ways; each split's first 4 K tiles prefetched into L2 before the PDL wait (as the GEMVs
+        load their first tile before it)."""
+        block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
         tiles, k_tiles, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
         while split < 8 and tiles * split * 2 <= programs and k_tiles // (split * 2) >= 4:
             split *= 2
-        return cls(block_n, block_k, block_m, split)
+        return cls(block_n, block_k, block_m, split, prefetch=4 if block_k >= 128 else 0)
 
 
 @triton.jit
@@ -63,7 +66,7 @@ def _fp8_small_m_kernel(
     w_ptr, x_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
     M, N, K, stride_wn, stride_xm, stride_om, stride_ws, stride_xs,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (feature tile, K split, row tile): ``out^T`` (module doc); e4m3 operands passed as bytes.
     Rows past M read row M - 1 (a valid address, no mask in the loop) and are not stored."""
@@ -76,6 +79,8 @@ def _fp8_small_m_kernel(
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_start = split * per_split
     k_end = tl.minimum(k_start + per_split, K)
+    if PREFETCH:  # the split's first K tiles into L2 while the previous kernel runs (no kernel writes weights)
+        _prefetch_l2(w_ptr, cols, N, stride_wn, k_start, k_end, PREFETCH * BLOCK_K)
     pdl.wait(PDL)  # x is the previous kernel's output
     pdl.allow_dependents(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -103,6 +108,16 @@ def _fp8_small_m_kernel(
             _store_out(total, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, cols, rows, M, N, stride_om,
                        stride_ws, stride_xs, HAS_BIAS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, cols, N, stride_wn, k_start, k_end, BYTES: tl.constexpr):
+    """``prefetch.global.L2`` of each 128-byte line of the first ``BYTES`` of this split's weight rows
+    (addresses clamped into the split: nothing past the weight is touched)."""
+    lines = tl.minimum(k_start + tl.arange(0, BYTES // 128) * 128, k_end - 1)
+    ptrs = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn + lines[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -137,6 +152,8 @@ def fp8_small_m_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight_fp8: tor
     if launch.block_m not in (16, 32, 64) or launch.block_n < 16 or launch.block_k < 32:
         raise ValueError(f"{what}: block_m must be 16, 32 or 64, block_n at least 16 and block_k at least 32; "
                          f"got {launch}")
+    if launch.prefetch not in (0, 1, 2, 4, 8) or (launch.prefetch and launch.block_k < 128):
+        raise ValueError(f"{what}: prefetch must be 0, 1, 2, 4 or 8 K tiles of at least 128 bytes; got {launch}")
     out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
     if m and n:
         _launch(x_fp8, x_scale, weight_fp8, weight_scale.reshape(-1), kind, bias, out, launch)
@@ -150,6 +167,7 @@ def _launch(x_fp8, x_scale, weight, weight_scale, kind: str, bias, out, launch: 
     partial = out.new_empty((launch.split_k, m, n), dtype=torch.float32) if split else out
     counters = split_counters(grid[0] * grid[2], out.device, owner="fp8_small_m") if split else out
     x = x_fp8 if x_fp8.stride(-1) == 1 else x_fp8.contiguous()
+    options = pdl.launch_options(out.device)
     _fp8_small_m_kernel[grid](
         weight.view(torch.uint8), x.view(torch.uint8), weight_scale, x_scale, bias if bias is not None else out,
         out, partial, counters, m, n, k, weight.stride(0), x.stride(0), out.stride(0),
@@ -158,4 +176,4 @@ def _launch(x_fp8, x_scale, weight, weight_scale, kind: str, bias, out, launch: 
         HAS_BIAS=bias is not None, SPLIT_K=launch.split_k, EVEN_K=k % launch.block_k == 0,
         BLOCK_N=launch.block_n,
         BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **pdl.launch_options(out.device))
+        PREFETCH=launch.prefetch if options["PDL"] else 0, **options)

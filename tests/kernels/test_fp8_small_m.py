@@ -10,7 +10,7 @@ from autodeploy.kernels.fp8_quantize import fp8_quantize
 from autodeploy.kernels.fp8_small_m import SmallMLaunch, fp8_small_m_gemm
 from autodeploy.kernels.paged_attention import split_counters
 
-from test_quant_gemv import DTYPES, check_with_and_without_bias, fp8_scale, fp8_weight
+from test_quant_gemv import check_with_and_without_bias, fp8_scale, fp8_weight
 
 N, K = 40, 80  # ragged: 16-feature tiles and 32-byte K tiles, the last ones partial
 # one K split; three (one tile each, the last partial); four (more splits than K tiles: one empty)
@@ -24,15 +24,19 @@ def small_m(x, weight, scale, input_scale, bias, launch):
     return fp8_small_m_gemm(x_fp8, x_scale, weight, scale, bias, out_dtype=x.dtype, launch=launch)
 
 
-@pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
-@pytest.mark.parametrize("kind,static", [("tensor", True), ("tensor", False), ("channel", True), ("channel", False)])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_matches_the_ops_reference(m, dtype, kind, static, launch):
+F32, F16 = torch.float32, torch.float16
+CASES = [  # rows, launch, dtype, weight scale, static input scale: each launch, dtype and kind of scale
+    (1, "split4", F32, "tensor", True), (1, "split1", F16, "channel", False), (3, "split3", F16, "tensor", False),
+    (3, "split1", F32, "channel", True), (16, "split3", F32, "channel", False), (16, "split4", F16, "tensor", True),
+]
+
+
+@pytest.mark.parametrize("m,launch,dtype,kind,static", CASES)
+def test_matches_the_ops_reference(m, launch, dtype, kind, static):
     weight, (scale, _) = fp8_weight(N, K), fp8_scale(kind, N, K)
     x = torch.randn(m, K).to(dtype)
     input_scale = torch.tensor(0.02) if static else None
-    check_with_and_without_bias(lambda b: small_m(x, weight, scale, input_scale, b, launch),
+    check_with_and_without_bias(lambda b: small_m(x, weight, scale, input_scale, b, LAUNCHES[launch]),
                                 lambda b: ref.fp8_linear_reference(x, weight, scale, input_scale, None, b), x, N)
 
 
@@ -57,12 +61,12 @@ def test_split_counters_are_zero_again_after_each_launch():
 
 
 def test_default_launch_splits_k_where_the_feature_tiles_leave_sms_idle():
-    assert SmallMLaunch.choose(1, 4096, 4096) == SmallMLaunch(64, 128, 16, 8)  # o: 64 tiles x 32 K tiles
+    assert SmallMLaunch.choose(1, 4096, 4096) == SmallMLaunch(64, 128, 16, 8, prefetch=4)  # o: 64 x 32 K tiles
     assert SmallMLaunch.choose(16, 4096, 14336).split_k == 8  # down
     assert SmallMLaunch.choose(4, 6144, 4096).split_k == 4  # qkv: 96 tiles
     assert SmallMLaunch.choose(8, 28672, 4096).split_k == 1  # gate_up: 448 tiles fill the GPU alone
     assert SmallMLaunch.choose(3, 4096, 256).split_k == 1  # two K tiles: nothing to split
-    assert SmallMLaunch.choose(17, 64, 64).block_m == 32
+    assert SmallMLaunch.choose(17, 64, 64).block_m == 32 and SmallMLaunch.choose(300, 64, 64).block_m == 64
     weight, (scale, _), x = fp8_weight(64, 512), fp8_scale("tensor", 64, 512), torch.randn(2, 512)
     got = small_m(x, weight, scale, None, None, None)  # the default tiles, in the interpreter
     assert ref.fp8_linear_reference(x, weight, scale).sub(got).norm() < 1e-5 * got.norm()
@@ -76,6 +80,7 @@ def test_default_launch_splits_k_where_the_feature_tiles_leave_sms_idle():
     (dict(x_scale=torch.ones(2, 1, dtype=torch.float16)), "x_scale must be fp32"),
     (dict(bias=torch.randn(3)), r"expected \(24,\)"),
     (dict(launch=SmallMLaunch(block_m=8)), "block_m must be 16, 32 or 64"),
+    (dict(launch=SmallMLaunch(block_k=64, prefetch=4)), "prefetch must be 0, 1, 2, 4 or 8 K tiles"),
 ])
 def test_refuses_bad_inputs(bad, message):
     args = dict(x_fp8=torch.zeros(2, 64, dtype=torch.float8_e4m3fn), x_scale=torch.ones(2, 1),
