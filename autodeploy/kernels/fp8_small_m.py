@@ -61,7 +61,7 @@ class SmallMLaunch:
         return cls(block_n, block_k, block_m, split, prefetch=4 if block_k >= 128 else 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every decode batch
 def _fp8_small_m_kernel(
     w_ptr, x_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
     M, N, K, stride_wn, stride_xm, stride_om, stride_ws, stride_xs,
