@@ -75,12 +75,13 @@ class Layer:
 
         from autodeploy.quantization.numerics import quantize_fp8_per_channel
 
-        self.bf16, self.fp8 = {}, {}
-        for name, (n, k) in LINEARS.items():
-            weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
-                       for _ in range(max(2, sets_for(2 * n * k)))]
-            self.bf16[name] = weights
-            self.fp8[name] = [quantize_fp8_per_channel(w) for w in weights[:max(2, sets_for(n * k))]]
+        def random(n, k):
+            return torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
+
+        self.bf16 = {name: [random(n, k) for _ in range(max(2, sets_for(2 * n * k)))]
+                     for name, (n, k) in LINEARS.items()}
+        self.fp8 = {name: [quantize_fp8_per_channel(random(n, k)) for _ in range(max(2, sets_for(n * k)))]
+                    for name, (n, k) in LINEARS.items()}
         self.norm_weight = torch.rand(LINEARS["o"][1], device=DEVICE, dtype=DTYPE) + 0.5
 
     def inputs(self, name: str, rows: int) -> tuple[torch.Tensor, ...]:
