@@ -6,12 +6,12 @@ and per-tensor or per-channel weight scales: what ``quant_gemm.fp8_gemm_quantize
 rows where a decode step is its weight stream.
 
 Each program computes ``out^T`` for ``BLOCK_N`` output features and ``BLOCK_M`` rows: ``tl.dot(W tile,
-x tile^T)``, so the weight's features fill the MMA's M dimension (64 per warpgroup: sm_90's wgmma,
-which reads both e4m3 operands from shared memory) and the few rows its N (16, the least ``tl.dot``
-takes). The weight bytes go from global to shared memory (``cp.async``, ``num_stages`` deep) and into
-the MMA without passing through registers or a conversion: the loop's instructions per weight byte
-are a fraction of the CUDA-core GEMV's (``quant_gemv.py``) and of the weight-only GEMM's (fp8 -> bf16
-per element). The GPU has to be filled by weight rows alone, so K is split (``SmallMLaunch.choose``)
+x tile^T)``, so the weight's features fill the MMA's M dimension (64 per warpgroup: sm_90's wgmma on
+e4m3 operands) and the few rows its N (16, the least ``tl.dot`` takes). The weight bytes go from global
+to shared memory (``cp.async``, ``num_stages`` deep), then by ``ldmatrix`` into the wgmma unconverted:
+~1 SASS instruction per weight byte in the loop (per thread; ``bench/probes/fp8_small_m.py --sass``)
+against ~6.7 for the CUDA-core GEMV (``quant_gemv.py``) and ~5.8 for the weight-only GEMM (fp8 ->
+bf16 per element). The GPU has to be filled by weight rows alone, so K is split (``SmallMLaunch.choose``)
 where the features' tiles leave SMs idle; the splits' fp32 partials are summed in the same launch by
 the last split of each tile to arrive (per-tile arrival counters, as the paged attention merges its
 splits), which then applies the scales and the bias: one launch per linear, capturable in a CUDA
@@ -31,7 +31,7 @@ from . import pdl
 from . import quant_reference as ref
 from .paged_attention import _arrive, split_counters
 
-MAX_ROWS = 64  # rows per launch tile: 16, 32 or 64 (more: the row-tiled GEMMs of quant_gemm.py)
+MAX_ROWS = 64  # the largest row tile (16, 32 or 64 rows); more rows take more row tiles
 
 
 @dataclass(frozen=True)
