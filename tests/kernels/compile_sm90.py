@@ -266,8 +266,8 @@ def _quant_variants():
     yield from _small_m_variants()
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for static in (False, True):
-        yield (f"fp8_quantize rows static={static}", fq._quantize_rows_kernel, quantize,
-               dict(STATIC=static, BLOCK=4096), 4, 1)
+        yield (f"fp8_quantize rows static={static} (PDL)", fq._quantize_rows_kernel, quantize,
+               dict(STATIC=static, BLOCK=4096, PDL=True), 4, 1, {"launch_pdl": True})
     yield ("fp8_quantize groups of 128", fq._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1)
     steps = {"x_ptr": "*bf16", "second_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
              "sum_ptr": "*bf16"}
