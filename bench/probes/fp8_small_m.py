@@ -41,6 +41,8 @@ import kernels_only  # noqa: F401  (autodeploy.kernels and ops without transform
 
 import torch  # noqa: E402
 
+import autodeploy.ops  # noqa: E402,F401  (registers torch.ops.autodeploy.*)
+
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LM_HEAD = (128256, 4096)
 LAYERS = 32
