@@ -5,6 +5,8 @@ Values are rounded to the e4m3 grid in fp32 (``round_to_e4m3``) before the cast,
 the same bytes as torch's ``.to(float8_e4m3fn)`` on the GPU and in Triton's interpreter (whose own fp32 ->
 fp8 rounding carries into the exponent wrongly), and divisions are IEEE (``div_rn``; Triton's ``/`` is an
 approximate division). ``norm_quantize.py`` fuses the same quantization into the step before a linear.
+The per-token / static quantizer is launched with PDL on sm_90+ (``pdl.py``), as ``norm_quantize``: the
+GEMM after it places its programs while it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from . import quant_reference as ref
 
 MIN_AMAX = tl.constexpr(ref.MIN_AMAX)
@@ -43,8 +46,10 @@ def _e4m3(x, scale):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: its amax (unless ``STATIC``), its scale, its e4m3 values."""
+    pdl.allow_dependents(PDL)  # the GEMM after it may place its programs (and prefetch weights) meanwhile
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     if STATIC:
@@ -110,7 +115,7 @@ def _quantize_rows(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sta
     (m, k), block = rows.shape, min(4096, triton.next_power_of_2(rows.shape[1]))
     if m and k:
         _quantize_rows_kernel[(m,)](rows, q, scale, k, rows.stride(0), q.stride(0), STATIC=static,
-                                    BLOCK=block, num_warps=4)
+                                    BLOCK=block, num_warps=4, **pdl.launch_options(rows.device))
 
 
 def _quantize_groups(rows: torch.Tensor, q: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -9,7 +9,10 @@
   blockwise ``_scaled_mm`` on sm_90 with cuBLAS 12.9; ``backend="scaled_mm"`` uses it where it fits,
   the benchmark compares both). ``fp8_gemm_quantized`` takes activations quantized already (by
   ``norm_quantize.py``, fused into the step before the linear). Up to 64 rows the GEMMs split K
-  (``GemmLaunch.split_k``) where the output tiles alone would leave SMs idle.
+  (``GemmLaunch.split_k``) where the output tiles alone would leave SMs idle. Its 16-row tiles are
+  too small for sm_90's wgmma (64 rows a warpgroup): Triton runs them on mma.sync, converting both
+  e4m3 operands to fp16 in the loop (~3.6 SASS instructions per weight byte); ``fp8_small_m.py``
+  swaps the operands so that the weight's features fill wgmma's 64 (~1.0) for decode rows.
 - ``nvfp4_gemm`` and ``fp8_weight_only_gemm``: weight-only, x stays in bf16/fp16; each weight tile
   is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``quant_gemv.nvfp4_block_dequantize``,
   exact in fp16 and bf16) and multiplied on the tensor cores, one kernel for both

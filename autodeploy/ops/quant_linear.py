@@ -20,7 +20,11 @@ weight-only GEMV of ``kernels/quant_gemv.py`` (activations are NOT rounded to FP
 bound by the weight stream, and skipping the rounding only removes error); FP8 up to
 ``FP8_WEIGHT_ONLY_MAX_ROWS`` rows (and FP8 weight-only at any rows) the weight-only tensor-core GEMM of
 ``kernels/quant_gemm.py`` (``fp8_weight_only_gemm``: x times the dequantized tiles, likewise unrounded);
-more rows the FP8 GEMM there (activations quantized as above), NVFP4 its weight-only GEMM.
+more rows the FP8 GEMM there (activations quantized as above), NVFP4 its weight-only GEMM. Up to
+``FP8_SMALL_M_MAX_ROWS`` rows (``AUTODEPLOY_FP8_SMALL_M_MAX_ROWS``; 0, off, until the GPU timing says where it
+wins), FP8 with activations per token or static and per-tensor / per-channel weight scales takes the swap-AB
+FP8 x FP8 tensor-core GEMM of ``kernels/fp8_small_m.py`` ahead of all of these (activations quantized first,
+so it computes the reference's rounding).
 
 Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
 <linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
@@ -45,18 +49,30 @@ QUANT_GEMV_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_MAX_ROWS", "4"))
 # at 16 rows it ran the 8B layer's linears in 108 us against 119 us for fp8_gemm with its quantizer (H100,
 # 2026-12-07); beyond, the FP8 x FP8 GEMM's halved operand bytes and faster MMA win
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# up to this many rows FP8 with quantized activations takes the swap-AB FP8 x FP8 GEMM of kernels/fp8_small_m.py
+# (~1.1 SASS instructions per weight byte in its sm_90 loop against ~6.7 for the FP8 GEMV, ~5.8 for the
+# weight-only GEMM); off until timed on a GPU (bench/probes/fp8_small_m.py): the switch of the A/B runs
+FP8_SMALL_M_MAX_ROWS = int(os.environ.get("AUTODEPLOY_FP8_SMALL_M_MAX_ROWS", "0"))
 
 
-def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none") -> str:
-    """Which implementation a quantized linear of ``rows`` rows runs: ``gemv``, ``weight_only`` (FP8
-    weight-only tensor-core GEMM), ``gemm`` or ``reference`` (module doc)."""
+def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none",
+                 block_scaled: bool = False) -> str:
+    """Which implementation a quantized linear of ``rows`` rows runs: ``small_m`` (FP8 x FP8 swap-AB
+    GEMM), ``gemv``, ``weight_only`` (FP8 weight-only tensor-core GEMM), ``gemm`` or ``reference``
+    (module doc)."""
     if not on_gpu:
         return "reference"
+    if kind == "fp8" and activations in ("token", "static") and not block_scaled and _small_m(rows):
+        return "small_m"
     if rows <= QUANT_GEMV_MAX_ROWS:
         return "gemv"
     if kind == "fp8" and (activations == "none" or rows <= FP8_WEIGHT_ONLY_MAX_ROWS):
         return "weight_only"
     return "gemm"
+
+
+def _small_m(rows: int) -> bool:
+    return 0 < rows <= FP8_SMALL_M_MAX_ROWS
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +100,21 @@ def nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias) -> tor
     return out.to(x.dtype)
 
 
+def _fp8_path(x: torch.Tensor, activations: str, block_size) -> str:
+    return quant_kernel(x.numel() // x.shape[-1], use_triton(x), "fp8", activations, bool(block_size))
+
+
 def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) -> torch.Tensor:
-    path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "fp8", activations)
+    path = _fp8_path(x, activations, block_size)
     if path == "reference":
         return fp8_linear_reference(x, weight, weight_scale, input_scale, bias, block_size, activations)
     block = _block(block_size)
+    if path == "small_m":
+        from ..kernels.fp8_quantize import fp8_quantize
+
+        q, scale = fp8_quantize(_rows(x), _static(input_scale, activations))
+        out = _fp8_of_quantized(q, scale, x.dtype, weight, weight_scale, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if path == "gemv":
         from ..kernels.quant_gemv import fp8_gemv
 
@@ -107,17 +133,20 @@ def _fp8(x, weight, weight_scale, input_scale, bias, block_size, activations) ->
 
 def _quantizes_in_the_step(x: torch.Tensor, activations: str, block_size) -> bool:
     """Whether a fused op's norm / activation runs with the activation quantizer in one kernel
-    (``kernels/norm_quantize.py``): the call takes the FP8 GEMM, its activations per token or static."""
-    rows = x.numel() // x.shape[-1]
-    return (quant_kernel(rows, use_triton(x), "fp8", activations) == "gemm" and activations in ("token", "static")
+    (``kernels/norm_quantize.py``): the call takes an FP8 x FP8 GEMM, its activations per token or static."""
+    return (_fp8_path(x, activations, block_size) in ("gemm", "small_m") and activations in ("token", "static")
             and not block_size)
 
 
 def _fp8_of_quantized(q, scale, out_dtype, weight, weight_scale, bias) -> torch.Tensor:
-    from ..kernels.quant_gemm import fp8_gemm_quantized
-
-    out = fp8_gemm_quantized(q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1) if scale.dim() else scale, weight,
-                             weight_scale, bias, out_dtype=out_dtype)
+    """The FP8 x FP8 GEMM of activations quantized already: the swap-AB kernel up to
+    ``FP8_SMALL_M_MAX_ROWS`` rows, ``fp8_gemm_quantized`` beyond."""
+    rows, scale = q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1) if scale.dim() else scale
+    if _small_m(rows.shape[0]):
+        from ..kernels.fp8_small_m import fp8_small_m_gemm as kernel
+    else:
+        from ..kernels.quant_gemm import fp8_gemm_quantized as kernel
+    out = kernel(rows, scale, weight, weight_scale, bias, out_dtype=out_dtype)
     return out.reshape(*q.shape[:-1], weight.shape[0])
 
 

@@ -8,7 +8,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is in bench/probes/)
 
 if "autodeploy" not in sys.modules:
     _pkg = types.ModuleType("autodeploy")

@@ -54,9 +54,27 @@ def test_fp8_linear(name, rows):
     weight, scale = quantize(torch.randn(N, K, device="cuda") * 0.02)
     input_scale = None if input_scale is None else torch.tensor(input_scale, device="cuda")
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    unrounded = ql.quant_kernel(rows, True, "fp8", acts) != "gemm"  # the weight-only kernels keep x in bf16
+    unrounded = ql.quant_kernel(rows, True, "fp8", acts, bool(block)) in ("gemv", "weight_only")  # x stays bf16
     want = ql.fp8_linear_reference(x, weight, scale, input_scale, None, block, "none" if unrounded else acts)
     check(lambda: ql._fp8(x, weight, scale, input_scale, None, block, acts), want)
+
+
+@pytest.mark.parametrize("rows", (1, 4, 16))
+@pytest.mark.parametrize("name", ["fp8 tensor static", "fp8 channel token"])
+def test_fp8_ops_on_the_small_m_kernel(monkeypatch, name, rows):
+    """``AUTODEPLOY_FP8_SMALL_M_MAX_ROWS=16``: the plain op (quantizer + swap-AB GEMM) and the fused ones
+    (norm_quantize + swap-AB GEMM) against their references, and replayed in a CUDA graph."""
+    monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_ROWS", 16)
+    quantize, input_scale, _, acts = FP8_CASES[name]
+    weight, scale = quantize(torch.randn(N, K, device="cuda") * 0.02)
+    lin = (weight, scale, None if input_scale is None else torch.tensor(input_scale, device="cuda"), None, None, acts)
+    x, residual = (torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    norm_weight = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    assert ql.quant_kernel(rows, True, "fp8", acts) == "small_m"
+    check(lambda: ql._fp8(x, *lin), ql.fp8_linear_reference(x, *lin))
+    normed = ql.rms_norm(x + residual, norm_weight, 1e-6)
+    check(lambda: ql.fp8_add_rms_norm_linear(x, residual, norm_weight, 1e-6, *lin)[0],
+          ql.fp8_linear_reference(normed, *lin))
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -45,6 +45,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
 from autodeploy.kernels import fp8_quantize as fq  # noqa: E402
+from autodeploy.kernels import fp8_small_m as sm  # noqa: E402
 from autodeploy.kernels import norm_quantize as nq  # noqa: E402
 from autodeploy.kernels import quant_gemm as qm  # noqa: E402
 from autodeploy.kernels import quant_gemv as qg  # noqa: E402
@@ -262,16 +263,30 @@ def _quant_variants():
         yield gemm_variant(None, rows, split=4)
         yield gemm_variant(qg.WeightFormat.FP8, rows, split=4)
         yield gemm_variant(qg.WeightFormat.NVFP4, rows, split=4)
+    yield from _small_m_variants()
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for static in (False, True):
-        yield (f"fp8_quantize rows static={static}", fq._quantize_rows_kernel, quantize,
-               dict(STATIC=static, BLOCK=4096), 4, 1)
+        yield (f"fp8_quantize rows static={static} (PDL)", fq._quantize_rows_kernel, quantize,
+               dict(STATIC=static, BLOCK=4096, PDL=True), 4, 1, {"launch_pdl": True})
     yield ("fp8_quantize groups of 128", fq._quantize_groups_kernel, quantize, dict(GROUP_PAD=128, BLOCK_G=16), 4, 1)
     steps = {"x_ptr": "*bf16", "second_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
              "sum_ptr": "*bf16"}
     for step, block in ((nq.Step.ADD_RMS_NORM, 4096), (nq.Step.GATED, 16384)):  # the 8B shape's hidden and MLP
         yield (f"norm_quantize {step.name.lower()}", nq._step_quantize_kernel, steps,
                dict(STEP=int(step), ACTIVATION=0, STATIC=False, BLOCK=block, PDL=True), min(16, max(4, block // 1024)), 1)
+
+
+def _small_m_variants():
+    """The swap-AB FP8 x FP8 GEMM of decode rows (``fp8_small_m.py``) as ``SmallMLaunch.choose`` launches it at
+    the 8B shapes: o at 1 row (K split 8 ways), gate_up at 16 rows (unsplit), 64 rows with a bias."""
+    pointers = {"w_ptr": "*u8", "x_ptr": "*u8", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32"}
+    for rows, n, k, bias in ((1, 4096, 4096, False), (16, 28672, 4096, False), (64, 4096, 14336, True)):
+        launch = sm.SmallMLaunch.choose(rows, n, k)
+        const = dict(HAS_BIAS=bias, SPLIT_K=launch.split_k, EVEN_K=True, BLOCK_N=launch.block_n,
+                     BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, PDL=True, PREFETCH=launch.prefetch)
+        yield (f"fp8_small_m {rows} row(s) {n}x{k} split {launch.split_k}", sm._fp8_small_m_kernel, pointers, const,
+               launch.num_warps, launch.num_stages, {"launch_pdl": True})
 
 
 def variants():

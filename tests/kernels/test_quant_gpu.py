@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autodeploy.kernels import quant_reference as ref
+from autodeploy.kernels.fp8_small_m import fp8_small_m_gemm
 from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_quantize, nvfp4_gemm
 from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
 
@@ -90,6 +91,38 @@ def test_nvfp4_gemm(m):
                                            torch.randn(4096 + 48, dtype=torch.bfloat16))
     got = nvfp4_gemm(x, packed, scale, scale_2, bias)
     assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, bias)) < BF16
+
+
+@pytest.mark.parametrize("n,k", [(4096 + 48, 4096), (1000, 4000), (4096, 14336)])  # ragged; K split 8 ways
+@pytest.mark.parametrize("kind,static", [("tensor", True), ("channel", False)])
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_fp8_small_m_gemm(n, k, kind, static, m):
+    scale, _ = fp8_scale(kind, n, k)
+    weight, scale, x, bias = cuda(fp8_weight(n, k), scale, torch.randn(m, k, dtype=torch.bfloat16),
+                                  torch.randn(n, dtype=torch.bfloat16))
+    input_scale = torch.tensor(0.02, device="cuda") if static else None
+    x_fp8, x_scale = fp8_quantize(x, input_scale)
+    got = fp8_small_m_gemm(x_fp8, x_scale, weight, scale, bias, out_dtype=torch.bfloat16)
+    assert rel_err(got, ref.fp8_linear_reference(x, weight, scale, input_scale, bias=bias)) < BF16
+
+
+def test_fp8_small_m_gemm_replays_in_a_cuda_graph():
+    """Split K merged in-kernel (arrival counters reset by the last split): replay after replay computes
+    what the eager call does, with new activations."""
+    weight, scale = cuda(fp8_weight(4096, 14336), torch.rand(4096) * 0.01)
+    x = torch.randn(2, 14336, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return fp8_small_m_gemm(*fp8_quantize(x), weight, scale, out_dtype=torch.bfloat16)
+
+    call()  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(captured, call())
 
 
 def test_gemvs_replay_in_a_cuda_graph():

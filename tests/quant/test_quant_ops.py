@@ -168,3 +168,46 @@ def test_cuda_dispatch_of_nvfp4_with_per_row_global_scales(kernels):
     name, args, kwargs = kernels[-1]
     assert name == "nvfp4_gemm" and args[3].shape == () and float(args[3]) == 1.0 and kwargs == {"bias": None}
     torch.testing.assert_close(got, ql.nvfp4_linear_reference(x, packed, scale, per_row, bias))
+
+
+@pytest.mark.parametrize("rows, activations, block_scaled, path", [
+    (1, "token", False, "small_m"), (16, "static", False, "small_m"), (17, "token", False, "gemm"),
+    (1, "none", False, "gemv"), (1, "group", True, "gemv"), (1, "token", True, "gemv"), (0, "token", False, "gemv"),
+])
+def test_kernel_choice_with_the_small_m_switch(monkeypatch, rows, activations, block_scaled, path):
+    monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_ROWS", 16)  # AUTODEPLOY_FP8_SMALL_M_MAX_ROWS=16
+    assert ql.quant_kernel(rows, True, "fp8", activations, block_scaled) == path
+    assert ql.quant_kernel(rows, True, "nvfp4") == ("gemv" if rows <= 4 else "gemm")  # NVFP4: unchanged
+
+
+@pytest.fixture
+def small_m_calls(monkeypatch):
+    """The switch on, 'CUDA' inputs, and the swap-AB kernel (run by the Triton interpreter) recorded."""
+    from autodeploy.kernels import fp8_small_m
+
+    calls, kernel = [], fp8_small_m.fp8_small_m_gemm
+    monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_ROWS", 16)
+    monkeypatch.setattr(ql, "use_triton", lambda t: True)
+    monkeypatch.setattr(fp8_small_m, "fp8_small_m_gemm", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_small_m_switch_runs_every_fp8_op_on_the_swap_ab_kernel(small_m_calls, activations):
+    """Each op (the fused ones through norm_quantize) on the kernel, against the torch reference."""
+    x, r, nw, gate_up = torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.rand(64) + 0.5, torch.randn(3, 128)
+    q, ws, _ = _fp8_weight("channel")
+    lin = (q, ws, torch.tensor(0.05) if activations == "static" else None, torch.randn(48), None, activations)
+    want = ql.fp8_linear_reference(x, *lin[:2], lin[2], lin[3], None, activations)
+    torch.testing.assert_close(ops.fp8_linear(x, *lin), want, rtol=1e-4, atol=1e-4)
+    normed = ql.rms_norm(x + r, nw, 1e-6)
+    out, summed = ops.fp8_add_rms_norm_linear(x, r, nw, 1e-6, *lin)
+    torch.testing.assert_close(summed, x + r)
+    torch.testing.assert_close(out, ql.fp8_linear_reference(normed, *lin[:2], lin[2], lin[3], None, activations),
+                               rtol=1e-4, atol=1e-4)
+    q2, ws2, _ = _fp8_weight("tensor", n=48, k=64)
+    hidden = F.silu(gate_up[:, :64]) * gate_up[:, 64:]
+    torch.testing.assert_close(ops.fp8_swiglu_down(gate_up, q2, ws2, lin[2], None, None, activations, "silu"),
+                               ql.fp8_linear_reference(hidden, q2, ws2, lin[2], None, None, activations),
+                               rtol=1e-4, atol=1e-4)
+    assert small_m_calls == [(6, 64), (6, 64), (3, 64)]
