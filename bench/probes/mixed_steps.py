@@ -2,8 +2,8 @@
 against the piecewise CUDA graphs (``autodeploy.piecewise``) and the whole-step graphs
 (``autodeploy.mixed_graphs``), decode steps against the decode graphs too.
 
-    python bench/probes/mixed_steps.py --sizes 64,128,256,512,1024,2048   # GPU, Llama-3.1-8B shape, < 2 minutes
-    python bench/probes/mixed_steps.py --shape tiny --device cpu          # the same code on the CPU (tests)
+    PYTHONPATH=bench python bench/probes/mixed_steps.py --sizes 64,128,256,512,1024,2048   # GPU, 8B shape, < 2 min
+    PYTHONPATH=bench python bench/probes/mixed_steps.py --shape tiny --device cpu          # the same code on the CPU
 
 One model (random weights, decode graphs at batch 64, piecewise and whole-step graphs at the default token
 buckets or ``--sizes``) runs every step kind through ``CompiledModel.__call__`` as the engine does (the
