@@ -81,10 +81,7 @@ class CompileCudaGraphs(Pass):
     def _decode(self, ctx: CompileContext, memory_pool) -> tuple[CudaGraphRunner | None, str]:
         from autodeploy.kernels.precompile import threads_for
 
-        backend = ctx.artifacts["attention_backend"]
-        if not ATTENTION_BACKENDS.get(backend).capturable:
-            return None, f"decode graphs skipped: attention backend '{backend}' cannot be captured"
-        if (why := _host_sync(ctx)) is not None:
+        if (why := _uncapturable(ctx)) is not None:
             return None, f"decode graphs skipped: {why}"
         max_bs = ctx.config.max_batch_size
         wanted = default_batch_sizes(max_bs) if self.config.batch_sizes is None else self.config.batch_sizes
@@ -133,12 +130,9 @@ class CompileCudaGraphs(Pass):
             return "whole-step graphs: off (passes.compile_cuda_graphs.mixed_graphs=false)"
         if not cuda and not self.config.mixed_graphs_on_cpu:
             return "whole-step graphs: not on CUDA"
-        backend = ctx.artifacts["attention_backend"]
-        if cuda and not ATTENTION_BACKENDS.get(backend).capturable:
-            return f"whole-step graphs skipped: attention backend '{backend}' cannot be captured"
         if ctx.config.tp_size > 1:
             return "whole-step graphs skipped: tensor parallel (mixed steps run piecewise on every rank)"
-        if (why := _host_sync(ctx, capturable=())) is not None:
+        if (why := _uncapturable(ctx, capturable=())) is not None:
             return f"whole-step graphs skipped: {why}"
         if "state_is_kv_only" not in ctx.properties:
             return "whole-step graphs skipped: check_uncached_state did not prove padding rows stay apart"
@@ -151,6 +145,15 @@ class CompileCudaGraphs(Pass):
         max_tokens = ctx.config.max_num_tokens
         wanted = default_piecewise_sizes(max_tokens) if self.config.piecewise_sizes is None else self.config.piecewise_sizes
         return sorted({min(s, max_tokens) for s in wanted if s >= 1})
+
+
+def _uncapturable(ctx: CompileContext, capturable=DECODE_CAPTURABLE_OPS) -> str | None:
+    """Why a whole step cannot be one CUDA graph: an attention backend that synchronizes with the host
+    (on CUDA: the CPU stand-in calls any backend), or an op that does (see :func:`_host_sync`)."""
+    backend = ctx.artifacts["attention_backend"]
+    if ctx.device.type == "cuda" and not ATTENTION_BACKENDS.get(backend).capturable:
+        return f"attention backend '{backend}' cannot be captured"
+    return _host_sync(ctx, capturable)
 
 
 def _host_sync(ctx: CompileContext, capturable=DECODE_CAPTURABLE_OPS) -> str | None:

@@ -195,6 +195,13 @@ def test_whole_step_graphs_are_a_switch_and_refused_where_they_cannot_hold(compi
     assert runner is None and "whole-step graphs skipped: tensor parallel" in detail
     runner, detail = _apply_pass(model, properties=())
     assert runner is None and "check_uncached_state did not prove" in detail
+    from types import SimpleNamespace
+
+    from autodeploy.passes.compile_cuda_graphs import _uncapturable
+
+    for backend in ("torch", "flashinfer"):  # on CUDA: they synchronize with the host
+        ctx = SimpleNamespace(gm=model.gm, device=torch.device("cuda"), artifacts={"attention_backend": backend})
+        assert _uncapturable(ctx, capturable=()) == f"attention backend '{backend}' cannot be captured"
 
 
 def test_a_hybrid_keeps_the_piecewise_path(compiled):
