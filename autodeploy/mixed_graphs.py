@@ -67,8 +67,8 @@ class MixedGraphRunner:
 
     def __init__(self, gm: fx.GraphModule, pool: KVPool, token_sizes: list[int], max_batch_size: int,
                  max_blocks: int):
-        if not token_sizes or min(token_sizes) < 1:
-            raise ValueError(f"mixed-graph token buckets must be positive and at least one, got {token_sizes}")
+        if not any(sequence_buckets(t, max_batch_size) for t in token_sizes):
+            raise ValueError(f"whole-step graphs need a token bucket of more than one token, got {token_sizes}")
         self.gm, self.pool, self.max_blocks, self.max_batch_size = gm, pool, max_blocks, max_batch_size
         self.token_sizes = sorted(set(token_sizes))
         self.seq_sizes = {t: sequence_buckets(t, max_batch_size) for t in self.token_sizes}

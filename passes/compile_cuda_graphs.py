@@ -26,7 +26,7 @@ import torch
 from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
 from autodeploy.graph.modules import layers_of
 from autodeploy.graph.split import HOST_SYNC_OPS
-from autodeploy.mixed_graphs import MixedGraphRunner
+from autodeploy.mixed_graphs import MixedGraphRunner, sequence_buckets
 from autodeploy.ops.attention_backends import ATTENTION_BACKENDS
 from autodeploy.ops.state_ops import DECODE_CAPTURABLE_OPS
 from autodeploy.piecewise import PiecewiseRunner, default_piecewise_sizes
@@ -136,8 +136,8 @@ class CompileCudaGraphs(Pass):
             return f"whole-step graphs skipped: {why}"
         if "state_is_kv_only" not in ctx.properties:
             return "whole-step graphs skipped: check_uncached_state did not prove padding rows stay apart"
-        if not self._token_sizes(ctx):
-            return "whole-step graphs: no token buckets asked for"
+        if not any(sequence_buckets(t, ctx.config.max_batch_size) for t in self._token_sizes(ctx)):
+            return "whole-step graphs: no token bucket of more than one token asked for"
         return None
 
     def _token_sizes(self, ctx: CompileContext) -> list[int]:

@@ -189,6 +189,8 @@ def test_whole_step_graphs_are_a_switch_and_refused_where_they_cannot_hold(compi
     model = compiled("llama")
     runner, detail = _apply_pass(model, piecewise_sizes=[8])
     assert runner.graphs.keys() == {(8, 1), (8, 7)} and "piecewise graphs: not on CUDA" in detail
+    runner, detail = _apply_pass(model, piecewise_sizes=[1])
+    assert runner is None and "whole-step graphs: no token bucket of more than one token asked for" in detail
     runner, detail = _apply_pass(model, mixed_graphs=False)
     assert runner is None and "whole-step graphs: off (passes.compile_cuda_graphs.mixed_graphs=false)" in detail
     runner, detail = _apply_pass(model, settings={"tp_size": 2})
