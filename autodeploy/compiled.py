@@ -142,9 +142,8 @@ class CompiledModel:
         """
         if self.cuda_graphs is not None and self.cuda_graphs.fits(chunks):
             return self.cuda_graphs.run(chunks, deferred, self.publisher)
-        if self.mixed_graphs is not None and self.publisher is None \
-                and (pad := self.mixed_graphs.padding(chunks)) is not None:
-            return self.mixed_graphs.run(chunks, pad, deferred)
+        if self.mixed_graphs is not None and (pad := self.mixed_graphs.padding(chunks)) is not None:
+            return self.mixed_graphs.run(chunks, pad, deferred, self.publisher)
         batch = self.prepare(chunks)
         if deferred is not None:
             deferred.write(batch.input_ids)

@@ -32,8 +32,9 @@ bucket to the pool, which the piecewise graphs need anyway.
 Steps that do not fit stay piecewise or eager: a chunk asking for several logits rows, more tokens
 than the largest bucket, more blocks than a sequence may have; models whose ops synchronise with the
 host or loop over the sequences on it (MoE's reference routing, the state ops of hybrids), attention
-backends that do (torch, flashinfer) and tensor-parallel ranks get no whole-step graphs at all
-(``passes/compile_cuda_graphs.py`` says why in the pass table).
+backends that do (torch, flashinfer) get no whole-step graphs at all (``passes/compile_cuda_graphs.py``
+says why in the pass table). Tensor parallel: rank 0 publishes the shape and the staged buffer, the
+other ranks replay the same graph (``autodeploy.distributed_steps``).
 """
 
 from __future__ import annotations
@@ -102,14 +103,27 @@ class MixedGraphRunner:
         seqs = next((b for b in self.seq_sizes[size] if b >= len(chunks)), None)  # None: decodes filling T
         return Padding(size, seqs, self.max_blocks) if seqs is not None else None
 
-    def run(self, chunks: list[SequenceChunk], pad: Padding, deferred: DeferredTokens | None = None) -> torch.Tensor:
+    def run(self, chunks: list[SequenceChunk], pad: Padding, deferred: DeferredTokens | None = None,
+            publisher=None) -> torch.Tensor:
         """Logits of the step (one row per chunk), a view of the graph's output: consume it before the
-        next step (any replay may reuse its memory)."""
-        graph = self.graphs[(pad.num_tokens, pad.num_seqs)]
+        next step (any replay may reuse its memory). ``publisher`` (tensor parallel, rank 0) sends the
+        staged inputs to the other ranks before the replay."""
         BatchMetadata.refill(chunks, self.pool.block_size, pad, self.buffers)
         if deferred is not None:
             deferred.write(self.buffers.input_ids(pad.num_tokens))
-        return graph.replay()[: len(chunks)]
+        if publisher is not None:
+            publisher.whole_step(pad.num_tokens, pad.num_seqs, self.staged_input(pad.num_tokens, pad.num_seqs))
+        return self.replay(pad.num_tokens, pad.num_seqs)[: len(chunks)]
+
+    def staged_input(self, tokens: int, seqs: int) -> torch.Tensor:
+        """The device buffer the graph of ``tokens`` x ``seqs`` reads its metadata from (its first values)."""
+        return self.buffers.dev[: Padding(tokens, seqs, self.max_blocks).metadata_size]
+
+    @torch.inference_mode()  # (the CPU stand-in's replay writes into its inference-mode outputs)
+    def replay(self, tokens: int, seqs: int) -> torch.Tensor:
+        """Replay the graph of ``tokens`` x ``seqs`` on whatever the buffer holds (the other tensor-parallel
+        ranks receive rank 0's staged input, then replay); its whole output, padding rows included."""
+        return self.graphs[(tokens, seqs)].replay()
 
     def capture(self, compile_threads: int = 1, compile_workers=None, memory_pool=None) -> None:
         """Every shape, largest first, into ``memory_pool`` (default: a new one); on the CPU the direct

@@ -14,8 +14,7 @@ Piecewise graphs run the syncing ops eagerly between the pieces, so they need ne
 the CPU nothing is captured; ``piecewise_on_cpu`` runs the piecewise path there with each piece
 called where a graph would replay (tests), ``mixed_graphs_on_cpu`` the whole-step graphs' path (any
 attention backend: the stand-in calls the graph). Whole-step graphs need what decode graphs need and
-no host-syncing op at all (the state ops loop on the host on prefill steps), and are not built for
-tensor-parallel ranks (the other ranks follow rank 0's mixed steps piecewise). ``enforce_eager``
+no host-syncing op at all (the state ops loop on the host on prefill steps). ``enforce_eager``
 (vLLM's ``--enforce-eager``) captures nothing.
 """
 
@@ -130,8 +129,6 @@ class CompileCudaGraphs(Pass):
             return "whole-step graphs: off (passes.compile_cuda_graphs.mixed_graphs=false)"
         if not cuda and not self.config.mixed_graphs_on_cpu:
             return "whole-step graphs: not on CUDA"
-        if ctx.config.tp_size > 1:
-            return "whole-step graphs skipped: tensor parallel (mixed steps run piecewise on every rank)"
         if (why := _uncapturable(ctx, capturable=())) is not None:
             return f"whole-step graphs skipped: {why}"
         if "state_is_kv_only" not in ctx.properties:

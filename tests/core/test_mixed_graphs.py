@@ -176,9 +176,7 @@ def _apply_pass(model, properties=("state_is_kv_only",), **config):
     from autodeploy.passes.compile_cuda_graphs import CompileCudaGraphs, CudaGraphConfig
     from autodeploy.pipeline.base import CompileContext
 
-    settings = config.pop("settings", {})
-    ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config,
-                         config=model.config.model_copy(update=settings), device=model.device,
+    ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config, config=model.config, device=model.device,
                          dtype=model.report.dtype, properties=set(properties),
                          artifacts={"kv_pool": model.pool, "kv_capacity": model.capacity, "attention_backend": "torch"})
     result = CompileCudaGraphs(CudaGraphConfig(**{"mixed_graphs_on_cpu": True} | config)).apply(ctx)
@@ -193,8 +191,6 @@ def test_whole_step_graphs_are_a_switch_and_refused_where_they_cannot_hold(compi
     assert runner is None and "whole-step graphs: no token bucket of more than one token asked for" in detail
     runner, detail = _apply_pass(model, mixed_graphs=False)
     assert runner is None and "whole-step graphs: off (passes.compile_cuda_graphs.mixed_graphs=false)" in detail
-    runner, detail = _apply_pass(model, settings={"tp_size": 2})
-    assert runner is None and "whole-step graphs skipped: tensor parallel" in detail
     runner, detail = _apply_pass(model, properties=())
     assert runner is None and "check_uncached_state did not prove" in detail
     from types import SimpleNamespace
