@@ -44,9 +44,9 @@ def replays(monkeypatch):
     """The shapes whole-step graphs replayed, in order."""
     seen, run = [], MixedGraphRunner.run
 
-    def spy(self, chunks, pad, deferred=None):
+    def spy(self, chunks, pad, *args):
         seen.append((pad.num_tokens, pad.num_seqs))
-        return run(self, chunks, pad, deferred)
+        return run(self, chunks, pad, *args)
 
     monkeypatch.setattr(MixedGraphRunner, "run", spy)
     return seen
