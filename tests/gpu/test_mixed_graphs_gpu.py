@@ -66,7 +66,7 @@ def test_whole_step_graphs_give_the_eager_steps_logits(model):
                     cache.copy_(saved)
                 with torch.inference_mode():
                     want = model.gm(**batch.as_kwargs(), **model.pool.as_kwargs())[: len(chunks)]
-                tol = 1e-6 if exact else 1e-4
+                tol = 1e-5 if exact else 1e-4  # padded: the same kernels on the same shapes
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=f"{name} (padded: {exact})")
                 assert torch.equal(got.argmax(-1), want.argmax(-1)), name
                 if exact:
