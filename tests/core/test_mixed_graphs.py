@@ -202,10 +202,20 @@ def test_whole_step_graphs_are_a_switch_and_refused_where_they_cannot_hold(compi
         assert _uncapturable(ctx, capturable=()) == f"attention backend '{backend}' cannot be captured"
 
 
-def test_a_hybrid_keeps_the_piecewise_path(compiled):
-    """A Mamba-2 hybrid: its state ops loop over a prefill step's sequences on the host (MoE's reference
-    routing is refused the same way, by the same check as decode graphs'). """
-    model = compiled("nemotron_h")
-    assert model.mixed_graphs is None and model.piecewise is not None
-    assert ("whole-step graphs skipped: autodeploy.causal_conv1d_cached.default (model.layers."
-            in model.report.pass_table() and "loops over the step's sequences on the host" in model.report.pass_table())
+@pytest.mark.parametrize("op, why", [("ssm_scan_cached", "loops over the step's sequences on the host"),
+                                     ("moe", "reads the routed expert ids on the host")])
+def test_host_syncing_ops_leave_prefill_and_mixed_steps_piecewise(compiled, op, why):
+    """A hybrid's state ops loop over a prefill step's sequences on the host (their decode steps do not:
+    decode graphs take them); MoE's reference routing reads expert ids on the host on every step. A
+    node calling the op in the graph (never run: the pass refuses before any capture)."""
+    from autodeploy.passes.compile_cuda_graphs import _host_sync
+
+    model = copy.copy(compiled("llama"))
+    model.gm = copy.deepcopy(model.gm)
+    first = next(iter(model.gm.graph.find_nodes(op="placeholder")))
+    with model.gm.graph.inserting_after(first):
+        model.gm.graph.call_function(getattr(torch.ops.autodeploy, op).default, (first,))
+    runner, detail = _apply_pass(model)
+    assert runner is None and f"whole-step graphs skipped: autodeploy.{op}.default {why}" in detail
+    decode_graphs_refuse = _host_sync(model)
+    assert (decode_graphs_refuse is None) == (op == "ssm_scan_cached")
