@@ -6,10 +6,12 @@ token; a chunk may ask for its last ``num_logits`` tokens instead). It owns the 
 block ids (and state slots, for a model with recurrent or convolution state) are handed out by
 the caller (the engine's block manager).
 
-A step runs one of three ways: a decode step that fits a captured decode graph replays it
-(``autodeploy.cudagraph``); another step of at most the largest piecewise token bucket is padded to
-its bucket and replays the pieces between eager attention calls (``autodeploy.piecewise``); the rest
-run the graph eagerly.
+A step runs one of four ways: a decode step that fits a captured decode graph replays it
+(``autodeploy.cudagraph``); another step that fits a whole-step graph (at most the largest token
+bucket, one logits row per chunk) is padded to its token and sequence buckets and replays it
+(``autodeploy.mixed_graphs``); the others of at most the largest token bucket are padded to their
+bucket and replay the pieces between eager attention calls (``autodeploy.piecewise``); the rest run
+the graph eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .config import CompileConfig
 from .cudagraph import CudaGraphRunner
 from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVCapacity, KVPool
+from .mixed_graphs import MixedGraphRunner
 from .piecewise import PiecewiseRunner
 
 
@@ -69,6 +72,7 @@ class CompiledModel:
         model_dir: Path | None,
         cuda_graphs: CudaGraphRunner | None = None,
         piecewise: PiecewiseRunner | None = None,
+        mixed_graphs: MixedGraphRunner | None = None,
     ):
         self.gm = gm
         self.pool = pool
@@ -79,6 +83,7 @@ class CompiledModel:
         self.model_dir = model_dir
         self.cuda_graphs = cuda_graphs
         self.piecewise = piecewise
+        self.mixed_graphs = mixed_graphs
         self.publisher = None  # tensor parallel, rank 0: a StepPublisher sends each step to the other ranks
         # metadata staging buffers sized for the largest step (max_num_tokens, max_batch_size, max_seq_len)
         largest = Padding(config.max_num_tokens, config.max_batch_size, capacity.max_blocks_per_seq)
@@ -128,7 +133,8 @@ class CompiledModel:
 
     @torch.inference_mode()
     def __call__(self, chunks: list[SequenceChunk], deferred: DeferredTokens | None = None) -> torch.Tensor:
-        """One step: logits ``[len(chunks), vocab]``: a decode graph, the piecewise graphs or eagerly.
+        """One step: logits ``[len(chunks), vocab]``: a decode graph, a whole-step graph, the piecewise
+        graphs or eagerly.
 
         ``deferred`` fills input ids that are still on the device (``PLACEHOLDER_TOKEN`` in the
         chunks). The returned tensor may be a view of a graph's static output: consume it before the
@@ -136,6 +142,8 @@ class CompiledModel:
         """
         if self.cuda_graphs is not None and self.cuda_graphs.fits(chunks):
             return self.cuda_graphs.run(chunks, deferred, self.publisher)
+        if self.mixed_graphs is not None and (pad := self.mixed_graphs.padding(chunks)) is not None:
+            return self.mixed_graphs.run(chunks, pad, deferred, self.publisher)
         batch = self.prepare(chunks)
         if deferred is not None:
             deferred.write(batch.input_ids)

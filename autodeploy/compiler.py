@@ -104,6 +104,7 @@ def compile_config(
     return CompiledModel(
         ctx.gm, ctx.artifacts["kv_pool"], ctx.artifacts["kv_capacity"], hf_config, config, report, model_dir,
         cuda_graphs=ctx.artifacts.get("cuda_graphs"), piecewise=ctx.artifacts.get("piecewise_graphs"),
+        mixed_graphs=ctx.artifacts.get("mixed_graphs"),
     )
 
 

@@ -5,7 +5,8 @@ once, right before the forward runs: a header of :data:`HEADER_LEN` int64 on the
 (host, gloo; rank 0 does not wait for it) and the step's batch metadata (``kvcache/metadata.py``,
 the int64 values already on the device, input ids the previous step sampled included) on the device
 group. Every other rank runs :func:`follow_steps`: wait for a header, receive the metadata, run the
-same forward (eagerly, or by replaying the same captured CUDA graph), discard the logits. The
+same forward (eagerly, or by replaying the same captured CUDA graph: a decode graph, or a whole-step
+graph of a prefill or mixed step), discard the logits. The
 collectives inside the forward pair up because every rank runs the same graph on the same step.
 
 Header: ``[kind, numel, num_tokens, num_seqs, max_blocks, num_logits, graph_size, step]``.
@@ -14,6 +15,7 @@ Header: ``[kind, numel, num_tokens, num_seqs, max_blocks, num_logits, graph_size
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from .kvcache.metadata import GRAPH_INPUTS, BatchMetadata
 
 log = logging.getLogger("autodeploy.distributed")
 
-EAGER, GRAPH, STOP = 1, 2, 3
+EAGER, GRAPH, STOP, WHOLE_STEP = 1, 2, 3, 4
 HEADER_LEN = 8
 
 
@@ -33,6 +35,7 @@ class StepPublisher:
     def __init__(self, job: TensorParallel):
         self.job = job
         self.steps = 0
+        self.kinds: Counter[int] = Counter()  # steps sent, by kind
         self._in_flight: tuple | None = None  # the last header's (work, tensor): kept alive until sent
 
     def eager(self, batch: BatchMetadata) -> None:
@@ -45,6 +48,10 @@ class StepPublisher:
         """A replayed decode graph of ``size`` sequences: its staged input buffer as it is."""
         self._send(GRAPH, [0, 0, 0, 0, size], staged)
 
+    def whole_step(self, tokens: int, seqs: int, staged: torch.Tensor) -> None:
+        """A replayed whole-step graph of ``tokens`` x ``seqs``: its staged input buffer as it is."""
+        self._send(WHOLE_STEP, [tokens, seqs, 0, 0, 0], staged)
+
     def stop(self) -> None:
         """Tell the other ranks to leave :func:`follow_steps`."""
         self._send(STOP, [0, 0, 0, 0, 0], None)
@@ -56,6 +63,7 @@ class StepPublisher:
         header = torch.tensor([kind, numel, *dims, self.steps], dtype=torch.int64)
         work = dist.broadcast(header, 0, group=self.job.control_group, async_op=True)
         self._in_flight = (work, header)
+        self.kinds[kind] += 1
         if payload is not None:
             dist.broadcast(payload, 0, group=self.job.device_group)
         self.steps += 1
@@ -83,6 +91,10 @@ def follow_steps(model, job: TensorParallel) -> int:
             staged = model.cuda_graphs.staged_input(graph_size)[:numel]
             dist.broadcast(staged, 0, group=job.device_group)
             model.cuda_graphs.replay(graph_size)
+        elif kind == WHOLE_STEP:
+            staged = model.mixed_graphs.staged_input(tokens, seqs)[:numel]
+            dist.broadcast(staged, 0, group=job.device_group)
+            model.mixed_graphs.replay(tokens, seqs)
         elif kind == EAGER:
             flat = torch.empty(numel, dtype=torch.int64, device=model.device)
             dist.broadcast(flat, 0, group=job.device_group)

@@ -1,6 +1,8 @@
-"""compile_cuda_graphs: capture decode steps whole (``autodeploy.cudagraph``) and, with ``piecewise``
+"""compile_cuda_graphs: capture decode steps whole (``autodeploy.cudagraph``); with ``piecewise``
 (on by default), the pieces of every other step between its eager attention calls
-(``autodeploy.piecewise``), in one memory pool. The pass table's detail says what was captured.
+(``autodeploy.piecewise``); with ``mixed_graphs`` (on by default), prefill and mixed steps whole, per
+token bucket and sequence bucket (``autodeploy.mixed_graphs``); all in one memory pool. The pass
+table's detail says what was captured (count, seconds, MiB).
 
 Decode graphs are skipped, with the reason in the pass table, with attention backends that
 synchronize with the host (the torch reference backend) and with ops that do (MoE's reference
@@ -10,7 +12,10 @@ Piecewise graphs run the syncing ops eagerly between the pieces, so they need ne
 ``check_uncached_state`` having proved the graph token-local outside attention and the state ops
 (padding rows stay in their rows). On
 the CPU nothing is captured; ``piecewise_on_cpu`` runs the piecewise path there with each piece
-called where a graph would replay (tests). ``enforce_eager`` (vLLM's ``--enforce-eager``) captures nothing.
+called where a graph would replay (tests), ``mixed_graphs_on_cpu`` the whole-step graphs' path (any
+attention backend: the stand-in calls the graph). Whole-step graphs need what decode graphs need and
+no host-syncing op at all (the state ops loop on the host on prefill steps). ``enforce_eager``
+(vLLM's ``--enforce-eager``) captures nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from autodeploy.cudagraph import CudaGraphRunner, default_batch_sizes
 from autodeploy.graph.modules import layers_of
 from autodeploy.graph.split import HOST_SYNC_OPS
+from autodeploy.mixed_graphs import MixedGraphRunner, sequence_buckets
 from autodeploy.ops.attention_backends import ATTENTION_BACKENDS
 from autodeploy.ops.state_ops import DECODE_CAPTURABLE_OPS
 from autodeploy.piecewise import PiecewiseRunner, default_piecewise_sizes
@@ -35,10 +41,16 @@ class CudaGraphConfig(PassConfig):
     # on since its check on an H100 (bench/probes/mixed_steps.py, 2026-12-07: every padded step equal to eager; a mixed
     # step's host time 34 -> 8.7 ms); false: prefill and mixed steps run eagerly
     piecewise: bool = True
-    # the token buckets (default: default_piecewise_sizes(max_num_tokens)); []: none, as piecewise=false
+    # the token buckets of piecewise and whole-step graphs (default: default_piecewise_sizes(max_num_tokens));
+    # []: none, as piecewise=false and mixed_graphs=false
     piecewise_sizes: list[int] | None = None
     # tests: the piecewise path on the CPU (with piecewise), each piece called where its graph would replay
     piecewise_on_cpu: bool = False
+    # prefill and mixed steps of at most the largest token bucket as one graph each (padded to their token
+    # bucket and a sequence bucket); the steps they cannot take stay piecewise; false: every such step piecewise
+    mixed_graphs: bool = True
+    # tests: the whole-step graphs' path on the CPU (with mixed_graphs), the graph called where it would replay
+    mixed_graphs_on_cpu: bool = False
 
 
 class CompileCudaGraphs(Pass):
@@ -52,22 +64,23 @@ class CompileCudaGraphs(Pass):
         if ctx.config.enforce_eager:
             return PassResult(0, "skipped: enforce_eager")
         cuda = ctx.device.type == "cuda"
-        if not cuda and not self.config.piecewise_on_cpu:
+        if not cuda and not (self.config.piecewise_on_cpu or self.config.mixed_graphs_on_cpu):
             return PassResult(0, "skipped: not on CUDA")
         memory_pool = torch.cuda.graph_pool_handle() if cuda else None
         decode, decode_detail = self._decode(ctx, memory_pool) if cuda else (None, "decode graphs: not on CUDA")
-        piecewise, piecewise_detail = self._piecewise(ctx, memory_pool)
+        piecewise, piecewise_detail = (self._piecewise(ctx, memory_pool) if cuda or self.config.piecewise_on_cpu
+                                       else (None, "piecewise graphs: not on CUDA"))
+        mixed, mixed_detail = self._mixed(ctx, memory_pool)
         ctx.artifacts["cuda_graphs"], ctx.artifacts["piecewise_graphs"] = decode, piecewise
-        count = (len(decode.batch_sizes) if decode else 0) + (piecewise.num_captures if piecewise else 0)
-        return PassResult(count, f"{decode_detail}; {piecewise_detail}")
+        ctx.artifacts["mixed_graphs"] = mixed
+        count = sum((len(decode.batch_sizes) if decode else 0, piecewise.num_captures if piecewise else 0,
+                     mixed.num_captures if mixed else 0))
+        return PassResult(count, f"{decode_detail}; {piecewise_detail}; {mixed_detail}")
 
     def _decode(self, ctx: CompileContext, memory_pool) -> tuple[CudaGraphRunner | None, str]:
         from autodeploy.kernels.precompile import threads_for
 
-        backend = ctx.artifacts["attention_backend"]
-        if not ATTENTION_BACKENDS.get(backend).capturable:
-            return None, f"decode graphs skipped: attention backend '{backend}' cannot be captured"
-        if (why := _host_sync(ctx)) is not None:
+        if (why := _uncapturable(ctx)) is not None:
             return None, f"decode graphs skipped: {why}"
         max_bs = ctx.config.max_batch_size
         wanted = default_batch_sizes(max_bs) if self.config.batch_sizes is None else self.config.batch_sizes
@@ -86,10 +99,7 @@ class CompileCudaGraphs(Pass):
             return None, "piecewise graphs: off (passes.compile_cuda_graphs.piecewise=false)"
         if "state_is_kv_only" not in ctx.properties:
             return None, "piecewise graphs skipped: check_uncached_state did not prove padding rows stay apart"
-        max_tokens = ctx.config.max_num_tokens
-        wanted = default_piecewise_sizes(max_tokens) if self.config.piecewise_sizes is None else self.config.piecewise_sizes
-        sizes = sorted({min(s, max_tokens) for s in wanted if s >= 1})
-        if not sizes:
+        if not (sizes := self._token_sizes(ctx)):
             return None, "piecewise graphs: none asked for"
         runner = PiecewiseRunner(ctx.gm, ctx.artifacts["kv_pool"], sizes, ctx.config.max_batch_size,
                                  ctx.artifacts["kv_capacity"].max_blocks_per_seq)
@@ -99,11 +109,55 @@ class CompileCudaGraphs(Pass):
         return runner, (f"piecewise: {runner.describe()}, {runner.num_captures} captures in "
                         f"{runner.capture_seconds:.1f} s{memory}{compiled}")
 
+    def _mixed(self, ctx: CompileContext, memory_pool) -> tuple[MixedGraphRunner | None, str]:
+        from autodeploy.kernels.precompile import threads_for
 
-def _host_sync(ctx: CompileContext) -> str | None:
-    """Why a decode step cannot be captured whole: the first op that synchronizes with the host on one."""
+        if (why := self._no_mixed_graphs(ctx)) is not None:
+            return None, why
+        runner = MixedGraphRunner(ctx.gm, ctx.artifacts["kv_pool"], self._token_sizes(ctx), ctx.config.max_batch_size,
+                                  ctx.artifacts["kv_capacity"].max_blocks_per_seq)
+        runner.capture(threads_for(ctx.device), ctx.artifacts.get("compile_workers"), memory_pool)
+        memory = f", {runner.memory_bytes / 2**20:.0f} MiB" if ctx.device.type == "cuda" else ""
+        compiled = f", {runner.precompiled} kernels compiled on threads first" if runner.precompiled else ""
+        return runner, (f"whole-step graphs: {runner.describe()} captured in {runner.capture_seconds:.1f} s{memory}, "
+                        f"metadata buffers {runner.buffer_bytes / 2**10:.0f} KiB{compiled}")
+
+    def _no_mixed_graphs(self, ctx: CompileContext) -> str | None:
+        """Why prefill and mixed steps get no whole-step graphs (None: they do)."""
+        cuda = ctx.device.type == "cuda"
+        if not self.config.mixed_graphs:
+            return "whole-step graphs: off (passes.compile_cuda_graphs.mixed_graphs=false)"
+        if not cuda and not self.config.mixed_graphs_on_cpu:
+            return "whole-step graphs: not on CUDA"
+        if (why := _uncapturable(ctx, capturable=())) is not None:
+            return f"whole-step graphs skipped: {why}"
+        if "state_is_kv_only" not in ctx.properties:
+            return "whole-step graphs skipped: check_uncached_state did not prove padding rows stay apart"
+        if not any(sequence_buckets(t, ctx.config.max_batch_size) for t in self._token_sizes(ctx)):
+            return "whole-step graphs: no token bucket of more than one token asked for"
+        return None
+
+    def _token_sizes(self, ctx: CompileContext) -> list[int]:
+        """The token buckets of piecewise and whole-step graphs, at most ``max_num_tokens``."""
+        max_tokens = ctx.config.max_num_tokens
+        wanted = default_piecewise_sizes(max_tokens) if self.config.piecewise_sizes is None else self.config.piecewise_sizes
+        return sorted({min(s, max_tokens) for s in wanted if s >= 1})
+
+
+def _uncapturable(ctx: CompileContext, capturable=DECODE_CAPTURABLE_OPS) -> str | None:
+    """Why a whole step cannot be one CUDA graph: an attention backend that synchronizes with the host
+    (on CUDA: the CPU stand-in calls any backend), or an op that does (see :func:`_host_sync`)."""
+    backend = ctx.artifacts["attention_backend"]
+    if ctx.device.type == "cuda" and not ATTENTION_BACKENDS.get(backend).capturable:
+        return f"attention backend '{backend}' cannot be captured"
+    return _host_sync(ctx, capturable)
+
+
+def _host_sync(ctx: CompileContext, capturable=DECODE_CAPTURABLE_OPS) -> str | None:
+    """Why a step cannot be captured whole: the first op that synchronizes with the host on it
+    (``capturable``: the ops that do not on such a step; by default a decode step's)."""
     for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in HOST_SYNC_OPS and node.target not in DECODE_CAPTURABLE_OPS:
+        if node.op == "call_function" and node.target in HOST_SYNC_OPS and node.target not in capturable:
             layers = layers_of([node])
             where = f" ({layers[0]})" if layers else ""
             return f"{node.target}{where} {HOST_SYNC_OPS[node.target]}"

@@ -1,13 +1,17 @@
 """Host and device time per step kind: prefill and mixed (prefill chunks + decodes) steps run eagerly
-against the piecewise CUDA graphs (``autodeploy.piecewise``), decode steps against the decode graphs too.
+against the piecewise CUDA graphs (``autodeploy.piecewise``) and the whole-step graphs
+(``autodeploy.mixed_graphs``), decode steps against the decode graphs too.
 
-    python bench/mixed_steps.py                                  # GPU, Llama-3.1-8B shape, < 3 minutes
-    python bench/mixed_steps.py --shape tiny --device cpu        # the same code on the CPU (tests)
+    PYTHONPATH=bench python bench/probes/mixed_steps.py --sizes 64,128,256,512,1024,2048   # GPU, 8B shape, < 2 min
+    PYTHONPATH=bench python bench/probes/mixed_steps.py --shape tiny --device cpu          # the same code on the CPU
 
-One model (random weights, decode graphs at batch 64, piecewise graphs at the default token buckets or
-``--sizes``) runs every step kind through ``CompiledModel.__call__`` as the engine does (the metadata
-build and copy included): ``eager`` (no graphs), ``piecewise`` (decode graphs off) and, for a decode
-step, ``decode graph``. Columns, medians of ``--steps`` runs:
+One model (random weights, decode graphs at batch 64, piecewise and whole-step graphs at the default token
+buckets or ``--sizes``) runs every step kind through ``CompiledModel.__call__`` as the engine does (the
+metadata build and copy included): ``eager`` (no graphs), ``piecewise`` (decode and whole-step graphs
+off), ``whole step`` (decode graphs off, for a step a whole-step graph takes; its bucket column is
+tokens x sequences) and, for a decode step, ``decode graph``. The first line repeats the pass table's
+``compile_cuda_graphs`` detail: captures, seconds and the MiB each kind of graph added to the pool.
+Columns, medians of ``--steps`` runs:
 
 - ``host ms``: the host's time to issue the step, with the GPU held busy by a sleep kernel queued first,
   so that no launch waits for the device (the host's own cost: Python, dispatch, launches);
@@ -17,7 +21,7 @@ step, ``decode graph``. Columns, medians of ``--steps`` runs:
   of the two when the host cannot run ahead;
 - ``Δ eager``: the largest logit difference from the eager graph on the same padded step (0: the same
   kernels on the same shapes; beyond ``--tolerance`` the script exits 1 after the table), and how many
-  greedy tokens match the eager unpadded step's.
+  greedy tokens match the eager unpadded step's (piecewise and whole-step rows).
 
 On the CPU the device columns are empty (the host computes).
 """
@@ -108,8 +112,8 @@ def compile_model(args, kinds):
 
         cfg = llama_config(args.shape)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (None if cuda else CPU_SIZES)
-    graphs = {"piecewise": True, "piecewise_on_cpu": not cuda, "piecewise_sizes": sizes,
-              "batch_sizes": [64 if cuda else 4]}
+    graphs = {"piecewise": True, "piecewise_on_cpu": not cuda, "mixed_graphs": True, "mixed_graphs_on_cpu": not cuda,
+              "piecewise_sizes": sizes, "batch_sizes": [64 if cuda else 4]}
     longest = max(t + c for k in kinds for t, c in [(1, CONTEXT)] + list(k.prompts))
     config = CompileConfig(weights="random", device=args.device, dtype="bfloat16" if cuda else "float32",
                            max_batch_size=max(k.num_seqs for k in kinds), max_seq_len=longest,
@@ -125,16 +129,20 @@ def compile_model(args, kinds):
     return model, seconds
 
 
+RUNNERS = ("cuda_graphs", "piecewise", "mixed_graphs")  # decode, piecewise and whole-step graphs
+
+
 @contextlib.contextmanager
-def graphs_off(model, decode: bool, piecewise: bool):
-    """``model`` without its decode graphs and/or its piecewise graphs inside."""
-    saved = model.cuda_graphs, model.piecewise
-    model.cuda_graphs = None if decode else saved[0]
-    model.piecewise = None if piecewise else saved[1]
+def graphs_on(model, *kept: str):
+    """``model`` with only the runners named in ``kept`` (of :data:`RUNNERS`) inside."""
+    saved = {name: getattr(model, name) for name in RUNNERS}
+    for name in RUNNERS:
+        setattr(model, name, saved[name] if name in kept else None)
     try:
         yield model
     finally:
-        model.cuda_graphs, model.piecewise = saved
+        for name, runner in saved.items():
+            setattr(model, name, runner)
 
 
 class Timer:
@@ -190,7 +198,7 @@ class Timer:
 class Row:
     kind: str
     tokens: int
-    bucket: int | None  # the piecewise bucket; None: the step runs eagerly
+    bucket: str  # the piecewise bucket, tokens x sequences of a whole-step graph, or "eager"
     path: str
     host_ms: float
     device_ms: float | None
@@ -204,23 +212,32 @@ class Row:
         return f"{self.difference:.2g}, {same}" if self.difference is not None else same
 
 
-def padded_difference(model, chunks, logits: torch.Tensor) -> float:
-    """Largest difference of ``logits`` (a piecewise step's) from the eager graph on the same padded step."""
-    batch = model.prepare(chunks)
-    want = model.gm(**batch.as_kwargs(), **model.pool.as_kwargs())
+def padded_difference(model, chunks, pad, logits: torch.Tensor) -> float:
+    """Largest difference of ``logits`` (a graph's step) from the eager graph on the step padded to ``pad``."""
+    from autodeploy.kvcache.metadata import BatchMetadata
+
+    batch = BatchMetadata.build(chunks, model.block_size, model.device, pad=pad)
+    want = model.gm(**batch.as_kwargs(), **model.pool.as_kwargs())[: len(chunks)]
     return float((logits.float() - want.float()).abs().max())
+
+
+def step_paths(model, chunks) -> list[tuple[str, tuple[str, ...], object, str]]:
+    """(path, the runners it keeps, the padding its difference is checked on, its bucket) per path the step can take."""
+    pad = model.piecewise.padding(chunks)
+    paths = [("eager", (), None, "eager"), ("piecewise", ("piecewise",), pad, str(pad.num_tokens) if pad else "eager")]
+    if model.mixed_graphs is not None and (whole := model.mixed_graphs.padding(chunks)) is not None:
+        paths.append(("whole step", ("mixed_graphs",), whole, f"{whole.num_tokens}x{whole.num_seqs}"))
+    if model.cuda_graphs is not None and model.cuda_graphs.fits(chunks):
+        size = next(s for s in model.cuda_graphs.batch_sizes if s >= len(chunks))
+        paths.append(("decode graph", RUNNERS, None, f"{size}x{size}"))
+    return paths
 
 
 def measure(model, kind: StepKind, timer: Timer) -> list[Row]:
     chunks = step_chunks(kind, model.block_size, model.vocab_size)
-    pad = model.piecewise.padding(chunks)
-    bucket = pad.num_tokens if pad is not None else None
-    paths = [("eager", True, True), ("piecewise", True, False)]
-    if model.cuda_graphs is not None and model.cuda_graphs.fits(chunks):
-        paths.append(("decode graph", False, False))
     rows, eager_ids = [], None
-    for path, decode_off, piecewise_off in paths:
-        with graphs_off(model, decode_off, piecewise_off):
+    for path, kept, pad, bucket in step_paths(model, chunks):
+        with graphs_on(model, *kept):
             run = lambda: model(chunks)  # noqa: E731
             for _ in range(2):  # first calls compile kernels
                 run()
@@ -229,20 +246,19 @@ def measure(model, kind: StepKind, timer: Timer) -> list[Row]:
             logits = run().clone()
             ids = logits.argmax(-1)
             eager_ids = ids if eager_ids is None else eager_ids
-            difference = padded_difference(model, chunks, logits) if path == "piecewise" and bucket else None
+            difference = padded_difference(model, chunks, pad, logits) if pad is not None else None
         rows.append(Row(kind.name, kind.num_tokens, bucket, path, host, device, step, len(chunks),
                         None if path == "eager" else int((ids == eager_ids).sum()), difference))
     return rows
 
 
-HEADER = (f"{'step kind':<36}{'tokens':>7}{'bucket':>7}  {'path':<13}{'host ms':>8}{'device ms':>10}{'step ms':>9}"
+HEADER = (f"{'step kind':<36}{'tokens':>7}{'bucket':>9}  {'path':<13}{'host ms':>8}{'device ms':>10}{'step ms':>9}"
           "  Δ eager")
 
 
 def print_row(r: Row) -> None:
     device = f"{r.device_ms:10.2f}" if r.device_ms is not None else f"{'-':>10}"
-    bucket = r.bucket if r.bucket is not None else "eager"
-    print(f"{r.kind:<36}{r.tokens:>7}{bucket:>7}  {r.path:<13}{r.host_ms:8.2f}{device}{r.step_ms:9.2f}  {r.check()}",
+    print(f"{r.kind:<36}{r.tokens:>7}{r.bucket:>9}  {r.path:<13}{r.host_ms:8.2f}{device}{r.step_ms:9.2f}  {r.check()}",
           flush=True)
 
 
@@ -265,10 +281,10 @@ def run(args) -> list[Row]:
             print_row(row)
         rows += kind_rows
     worst = max(r.difference for r in rows if r.difference is not None)
-    print(f"piecewise vs the eager graph on the same padded steps: largest logit difference {worst:.2g} "
+    print(f"graphs vs the eager graph on the same padded steps: largest logit difference {worst:.2g} "
           f"({time.perf_counter() - started:.0f} s in all)", flush=True)
     if worst > args.tolerance:
-        raise SystemExit(f"piecewise steps differ from eager ones by {worst:.2g} > --tolerance {args.tolerance}")
+        raise SystemExit(f"graph steps differ from eager ones by {worst:.2g} > --tolerance {args.tolerance}")
     return rows
 
 
@@ -277,12 +293,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--shape", default="llama8b", help="llama8b, smollm2 (bench/decode_bench.py) or tiny")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=10, help="timed runs per step kind and path")
-    parser.add_argument("--sizes", default="", help="piecewise token buckets, e.g. 128,512,2048 (default: the "
+    parser.add_argument("--sizes", default="", help="token buckets of the piecewise and whole-step graphs, e.g. 128,512,2048 (default: the "
                         "default ladder on CUDA, 4,16,32 on the CPU)")
     parser.add_argument("--attention_backend", default="auto", help="auto (triton on CUDA, torch on the CPU), torch, "
                         "triton (on the CPU: TRITON_INTERPRET=1), flashinfer")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest logit difference accepted "
-                        "between a piecewise step and the eager graph on the same padded step (exit 1 beyond)")
+                        "between a graph's step and the eager graph on the same padded step (exit 1 beyond)")
     args = parser.parse_args(argv)
     with torch.inference_mode():
         return run(args)

@@ -7,6 +7,7 @@ import torch
 from tp_programs import max_diff, reference, tp_greedy
 
 from autodeploy.distributed_launch import run_on_ranks
+from autodeploy.distributed_steps import EAGER, WHOLE_STEP
 from autodeploy.tiny import make_tiny_checkpoint
 
 STEPS = 16
@@ -25,9 +26,11 @@ def _checkpoints(tmp_path, *model_types):
 
 
 def test_llama_over_two_ranks_equals_one_process(tmp_path):
-    """Also with an FP8 KV cache (each rank's pool holds its heads, quantized with the same scales)."""
+    """Also with an FP8 KV cache (each rank's pool holds its heads, quantized with the same scales), its
+    steps through whole-step graphs (the CPU stand-in: the other ranks replay the shape rank 0 names)."""
     path = _checkpoints(tmp_path, "llama")["llama"]
-    runs = {"llama": (path, {}), "llama fp8 kv": (path, {"kv_cache_dtype": "fp8"})}
+    whole_steps = {"compile_cuda_graphs": {"mixed_graphs_on_cpu": True, "piecewise_sizes": [8, 32]}}
+    runs = {"llama": (path, {}), "llama fp8 kv": (path, {"kv_cache_dtype": "fp8", "passes": whole_steps})}
     results, worker_collectives = run_on_ranks(2, tp_greedy, 2, runs, STEPS)
     ranks = [results["collectives"], worker_collectives]
     inputs = [torch.tensor(r["input"]) for r in ranks]
@@ -35,6 +38,8 @@ def test_llama_over_two_ranks_equals_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(r["all_reduce"]), inputs[0] + inputs[1])
         torch.testing.assert_close(torch.tensor(r["all_gather"]), torch.cat(inputs, dim=-1))
     _check(results, runs)
+    assert results["llama: steps by kind"].keys() == {EAGER}
+    assert results["llama fp8 kv: steps by kind"][WHOLE_STEP] >= STEPS  # the decodes at least (no decode graphs on the CPU)
 
 
 @pytest.mark.slow

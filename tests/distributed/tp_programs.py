@@ -55,6 +55,7 @@ def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], s
         if job.is_driver:
             model.publisher = StepPublisher(current())
             out[name] = greedy_run(model, prompts(), steps[name] if isinstance(steps, dict) else steps)
+            out[f"{name}: steps by kind"] = dict(model.publisher.kinds)
             model.publisher.stop()
         else:
             follow_steps(model, job)

@@ -165,6 +165,15 @@ def test_cuda_graph_padding_across_several_tiles(pad_tokens):
     assert out[2:].abs().max() == 0
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill-launch", "decode-launch"])
+def test_a_whole_step_graphs_padding_under_either_launch(decode):
+    """A prefill or mixed step padded to a whole-step graph's shape (``autodeploy/mixed_graphs.py``):
+    prompt chunks and a decode, then padding sequences (no tokens, no blocks) and padding tokens."""
+    seqs = [(0, 9), (6, 5), (12, 1), (0, 0), (0, 0), (0, 0)]
+    out = _compare(seqs, 4, 2, 16, torch.float32, AttentionLaunch(16, 16, 2, decode=decode), pad_tokens=6)
+    assert out[15:].abs().max() == 0
+
+
 def test_a_step_of_padding_only():
     launch = AttentionLaunch(16, 16, 2, decode=True)
     out = _compare([(0, 0), (0, 0)], 4, 2, 16, torch.float16, launch, pad_tokens=5)
