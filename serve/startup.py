@@ -262,24 +262,34 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}"
         + (" (the model has recurrent state)" if model.num_state_slots else ""),
-        f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise)}",
+        f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise, model.mixed_graphs)}",
         f"tokenizer    {type(tokenizer).__name__ if tokenizer is not None else 'none (token-id prompts only)'}",
         f"serving      {', '.join(settings.served_model_name or ())} at {url}/v1" + ("  (API key required)" if settings.requires_key else ""),
     ]
     return "\n".join(lines)
 
 
-def cuda_graph_line(graphs, piecewise=None) -> str:
-    """The decode graphs, and the piecewise graphs of the other steps when there are any."""
+def cuda_graph_line(graphs, piecewise=None, whole_steps=None) -> str:
+    """The decode graphs, the whole-step graphs of prefill and mixed steps, and the piecewise graphs of
+    the other steps, where there are any."""
     if graphs is None:
         line = "none (not on CUDA, --enforce_eager, or an attention backend that cannot be captured)"
     else:
         sizes = ", ".join(map(str, graphs.batch_sizes))
         line = f"decode batch sizes {sizes} (captured in {graphs.capture_seconds:.1f} s)"
-    if piecewise is None:
-        return line
-    memory = f", {piecewise.memory_bytes / 2**20:.0f} MiB" if piecewise.memory_bytes else ""
-    return f"{line}; piecewise: {piecewise.describe()} (captured in {piecewise.capture_seconds:.1f} s{memory})"
+    if whole_steps is not None:
+        tokens = whole_steps.token_sizes
+        line += (f"; whole steps: {whole_steps.num_captures} shapes over {len(tokens)} token buckets "
+                 f"({tokens[0]}-{tokens[-1]}) (captured in {whole_steps.capture_seconds:.1f} s"
+                 f"{_mib(whole_steps.memory_bytes)})")
+    if piecewise is not None:
+        line += (f"; piecewise: {piecewise.describe()} (captured in {piecewise.capture_seconds:.1f} s"
+                 f"{_mib(piecewise.memory_bytes)})")
+    return line
+
+
+def _mib(nbytes: int) -> str:
+    return f", {nbytes / 2**20:.0f} MiB" if nbytes else ""
 
 
 @contextlib.contextmanager

@@ -94,3 +94,7 @@ def test_report_names_the_captured_cuda_graphs():
     runner = SimpleNamespace(batch_sizes=[1, 2, 4, 64], capture_seconds=4.71)
     assert cuda_graph_line(runner) == "decode batch sizes 1, 2, 4, 64 (captured in 4.7 s)"
     assert cuda_graph_line(None).startswith("none")
+    whole = SimpleNamespace(num_captures=42, token_sizes=[2, 4, 2048], capture_seconds=3.04, memory_bytes=96 * 2**20)
+    assert cuda_graph_line(runner, whole_steps=whole) == (
+        "decode batch sizes 1, 2, 4, 64 (captured in 4.7 s); whole steps: 42 shapes over 3 token buckets (2-2048) "
+        "(captured in 3.0 s, 96 MiB)")
