@@ -4,7 +4,8 @@ k_scale / v_scale, as a calibrated checkpoint's), at 64 x 4096, 1 x 4096 and 64 
 the RoPE folded in (``fuse_rope_attention``, the engine's default): each timed in a CUDA graph (``gpu_harness``:
 rotating input sets past the L2) and checked against the reference op on the same pool (rel err < 1e-2), and
 the FP8/bf16 time ratio. ``--sweep``: the FP8 decode's pipeline stages and register cap
-(``paged_attention.FP8_DECODE_STAGES`` / ``FP8_DECODE_MAX_REGISTERS``, 0 = uncapped) at each shape.
+(``paged_attention.FP8_DECODE_STAGES`` / ``FP8_DECODE_MAX_REGISTERS``, 0 = uncapped) and the other key-block
+width (32 / 64 keys) at each shape.
 
 Asked 2026-12-07 (issue 35: "FP8 KV cache at batch 64 x context 4096 faster than bf16 KV"); before the kernel
 widened e4m3 to fp16 for the dots it was 0.93x / 0.51x / 0.50x bf16 (docs/perf.md).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +26,7 @@ import kernel_bench as kb
 from gpu_harness import BF16_TOL, graph_us, rel_err, sets_for
 
 from autodeploy.kernels import paged_attention as pa
+from autodeploy.kernels.attention_config import AttentionLaunch
 
 GPU_CASES = ((64, 4096), (1, 4096), (64, 512))
 CPU_CASES = ((4, 40), (1, 40), (4, 20))
@@ -55,9 +58,15 @@ class Case:
         got = self.batches[0].triton(**dict(features, cache=features["cache"].clone()))
         return rel_err(got, want)
 
-    def time_us(self, fp8: bool, rope: bool) -> float:
-        calls = [(lambda b=b, f=self.features(i, fp8, rope): b.triton(**f)) for i, b in enumerate(self.batches)]
+    def time_us(self, fp8: bool, rope: bool, launch: AttentionLaunch | None = None) -> float:
+        calls = [(lambda b=b, f=self.features(i, fp8, rope): b.triton(launch, **f)) for i, b in enumerate(self.batches)]
         return graph_us(calls)
+
+    def launch(self) -> AttentionLaunch:
+        """The launch the kernel chooses for this shape."""
+        first = self.batches[0]
+        return AttentionLaunch.choose(first.q.shape[0], len(self.seqs), first.q.shape[1], first.k.shape[1],
+                                      first.q.shape[2], first.block_table.shape[1] * kb.PAGE, first.q.device)
 
 
 def run(cases, device: torch.device, dtype: torch.dtype, timed: bool, sweep: bool) -> bool:
@@ -85,16 +94,22 @@ def run(cases, device: torch.device, dtype: torch.dtype, timed: bool, sweep: boo
 
 
 def _sweep(case: Case, rope: bool, bf16_us: float) -> None:
-    """The FP8 decode at each (stages, register cap) of SWEEP (the cap applies without RoPE only)."""
+    """The FP8 decode at each (stages, register cap) of SWEEP (the cap applies without RoPE only), then with
+    the other key-block width (32 / 64) at the defaults."""
     defaults = pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS
     try:
-        for stages, cap in SWEEP:
+        for stages, cap in ((stages, cap) for stages, cap in SWEEP if not (rope and cap)):
             pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS = stages, cap  # read by decode_tuning at each launch
-            us = case.time_us(True, rope)
-            print(f"{'  fp8 stages ' + str(stages) + ' maxnreg ' + (str(cap) if cap else 'none'):<34}{'':>10}"
-                  f"{us:>10.1f}{bf16_us / us:>9.2f}x", flush=True)
+            _sweep_line(f"stages {stages} maxnreg {cap or 'none'}", case.time_us(True, rope), bf16_us)
     finally:
         pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS = defaults
+    launch = case.launch()
+    other = replace(launch, block_n=96 - launch.block_n)
+    _sweep_line(f"{other.block_n} keys a block", case.time_us(True, rope, other), bf16_us)
+
+
+def _sweep_line(label: str, us: float, bf16_us: float) -> None:
+    print(f"{'  fp8 ' + label:<34}{'':>10}{us:>10.1f}{bf16_us / us:>9.2f}x", flush=True)
 
 
 def main() -> int:
