@@ -45,11 +45,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope  # noqa: E402
 from autodeploy.kernels import fp8_quantize as fq  # noqa: E402
-from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 from autodeploy.kernels import norm_quantize as nq  # noqa: E402
 from autodeploy.kernels import quant_gemm as qm  # noqa: E402
 from autodeploy.kernels import quant_gemv as qg  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
+from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -173,6 +173,27 @@ def _attention(dtype="bf16", kv_fp8=False, **overrides):
     return paged_attention._paged_attention_kernel, pointers, const
 
 
+def _decode_tuning(block_n, rope=False, fp8_pool=False):
+    """(diagonal block, stages, compile options) of a decode launch with ``block_n`` keys a block, as the kernel
+    chooses them (``paged_attention.decode_tuning``)."""
+    return paged_attention.decode_tuning(AttentionLaunch(16, block_n, decode=True), rope, fp8_pool)
+
+
+def _fp8_pool_variants(rope, prefill):
+    """An FP8 (e4m3) KV cache: the decode launches of batch 64 (no split, 64 keys a block), of split grids
+    (32 keys a block, the first preloaded) and batch 1, each without and with RoPE; a prefill. Decodes without
+    RoPE: FP8_DECODE_MAX_REGISTERS (test_compile_sm90.py holds them to it)."""
+    for block_n, label, shape in ((64, "(no split)", dict(NUM_SPLITS=1)), (32, "(split 4)", {}),
+                                  (32, "b1 (s16, PDL)", dict(num_seqs=1, num_tokens=1, NUM_SPLITS=16, PDL=True))):
+        for fused in (False, True):
+            diagonal, stages, options = _decode_tuning(block_n, fused, fp8_pool=True)
+            consts = {**(rope if fused else {}), **shape, "BLOCK_N": block_n, "DIAG_BLOCK_N": diagonal}
+            name = f"attn fp8-kv {'rope ' if fused else ''}decode {label}"
+            yield (name, *_attention(kv_fp8=True, **consts), 4, stages, {**options, "launch_pdl": True}
+                   if shape.get("PDL") else options)
+    yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
+
+
 def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
     names = ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr")
     pointers = {n: f"*{dtype}" for n in names}
@@ -274,27 +295,6 @@ def _quant_variants():
     for step, block in ((nq.Step.ADD_RMS_NORM, 4096), (nq.Step.GATED, 16384)):  # the 8B shape's hidden and MLP
         yield (f"norm_quantize {step.name.lower()}", nq._step_quantize_kernel, steps,
                dict(STEP=int(step), ACTIVATION=0, STATIC=False, BLOCK=block, PDL=True), min(16, max(4, block // 1024)), 1)
-
-
-def _decode_tuning(block_n, rope=False, fp8_pool=False):
-    """(diagonal block, stages, compile options) of a decode launch with ``block_n`` keys a block, as the kernel
-    chooses them (``paged_attention.decode_tuning``)."""
-    return paged_attention.decode_tuning(AttentionLaunch(16, block_n, decode=True), rope, fp8_pool)
-
-
-def _fp8_pool_variants(rope, prefill):
-    """An FP8 (e4m3) KV cache: the decode launches of batch 64 (no split, 64 keys a block), of split grids
-    (32 keys a block, the first preloaded) and batch 1, each without and with RoPE; a prefill. Decodes without
-    RoPE: FP8_DECODE_MAX_REGISTERS (test_compile_sm90.py holds them to it)."""
-    for block_n, label, shape in ((64, "(no split)", dict(NUM_SPLITS=1)), (32, "(split 4)", {}),
-                                  (32, "b1 (s16, PDL)", dict(num_seqs=1, num_tokens=1, NUM_SPLITS=16, PDL=True))):
-        for fused in (False, True):
-            diagonal, stages, options = _decode_tuning(block_n, fused, fp8_pool=True)
-            consts = {**(rope if fused else {}), **shape, "BLOCK_N": block_n, "DIAG_BLOCK_N": diagonal}
-            name = f"attn fp8-kv {'rope ' if fused else ''}decode {label}"
-            yield (name, *_attention(kv_fp8=True, **consts), 4, stages, {**options, "launch_pdl": True}
-                   if shape.get("PDL") else options)
-    yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
 
 
 def variants():
