@@ -75,9 +75,11 @@ ROPE_DECODE_MAX_REGISTERS = 128
 # An FP8 pool's decode: 128 registers (four programs of 128 threads per SM, as bf16; uncapped ptxas
 # takes 168: three) and three stages, two key blocks in flight per program: as many blocks as bf16
 # keeps in flight at two stages, where each block is half the bytes. With RoPE too the kernel spills
-# in its loops under 128 and runs uncapped. (tests/kernels/compile_sm90.py; the A/B on the GPU:
-# bench/probes/fp8_kv_decode.py, which sets these as the sweeps set ROPE_DECODE_MAX_REGISTERS.)
+# in its key loop under 128 (one local load a block) and runs uncapped (0; ptxas takes 168).
+# (tests/kernels/compile_sm90.py; the A/B on the GPU: bench/probes/fp8_kv_decode.py --sweep, which sets
+# these as the sweeps set ROPE_DECODE_MAX_REGISTERS.)
 FP8_DECODE_MAX_REGISTERS = 128
+FP8_ROPE_DECODE_MAX_REGISTERS = 0
 FP8_DECODE_STAGES = 3
 
 
@@ -392,7 +394,7 @@ def decode_tuning(launch: AttentionLaunch, rope: bool, fp8_pool: bool) -> tuple[
     diagonal = min(launch.block_n, DECODE_DIAGONAL_BLOCK)
     if not fp8_pool:
         return diagonal, launch.num_stages, {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
-    cap = None if rope else FP8_DECODE_MAX_REGISTERS
+    cap = FP8_ROPE_DECODE_MAX_REGISTERS if rope else FP8_DECODE_MAX_REGISTERS
     return diagonal, FP8_DECODE_STAGES, {"maxnreg": cap} if cap else {}
 
 

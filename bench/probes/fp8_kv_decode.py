@@ -4,8 +4,8 @@ k_scale / v_scale, as a calibrated checkpoint's), at 64 x 4096, 1 x 4096 and 64 
 the RoPE folded in (``fuse_rope_attention``, the engine's default): each timed in a CUDA graph (``gpu_harness``:
 rotating input sets past the L2) and checked against the reference op on the same pool (rel err < 1e-2), and
 the FP8/bf16 time ratio. ``--sweep``: the FP8 decode's pipeline stages and register cap
-(``paged_attention.FP8_DECODE_STAGES`` / ``FP8_DECODE_MAX_REGISTERS``, 0 = uncapped) and the other key-block
-width (32 / 64 keys) at each shape.
+(``paged_attention.FP8_DECODE_STAGES`` / ``FP8_DECODE_MAX_REGISTERS``, with RoPE ``FP8_ROPE_DECODE_MAX_REGISTERS``;
+0 = uncapped) but the defaults, and the other key-block width (32 / 64 keys), at each shape.
 
 Asked 2026-12-07 (issue 35: "FP8 KV cache at batch 64 x context 4096 faster than bf16 KV"); before the kernel
 widened e4m3 to fp16 for the dots it was 0.93x / 0.51x / 0.50x bf16 (docs/perf.md).
@@ -30,7 +30,7 @@ from autodeploy.kernels.attention_config import AttentionLaunch
 
 GPU_CASES = ((64, 4096), (1, 4096), (64, 512))
 CPU_CASES = ((4, 40), (1, 40), (4, 20))
-SWEEP = ((2, 0), (2, 128), (3, 0))  # (stages, register cap: 0 none) of the FP8 decode, besides the default
+SWEEP = ((2, 0), (2, 128), (3, 0), (3, 128))  # (stages, register cap: 0 none) of the FP8 decode
 
 
 class Case:
@@ -94,17 +94,18 @@ def run(cases, device: torch.device, dtype: torch.dtype, timed: bool, sweep: boo
 
 
 def _sweep(case: Case, rope: bool, bf16_us: float) -> None:
-    """The FP8 decode at each (stages, register cap) of SWEEP but the defaults (the cap applies without RoPE
-    only), then with the other key-block width (32 / 64) at the defaults."""
-    defaults = pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS
+    """The FP8 decode at each (stages, register cap) of SWEEP but the default one, then with the other key-block
+    width (32 / 64) at the defaults."""
+    cap_name = "FP8_ROPE_DECODE_MAX_REGISTERS" if rope else "FP8_DECODE_MAX_REGISTERS"
+    defaults = pa.FP8_DECODE_STAGES, getattr(pa, cap_name)
     try:
-        for stages, cap in SWEEP:
-            if rope and (cap or stages == defaults[0]):  # (with RoPE the cap is not applied)
-                continue
-            pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS = stages, cap  # read by decode_tuning at each launch
+        for stages, cap in (point for point in SWEEP if point != defaults):
+            pa.FP8_DECODE_STAGES = stages  # (both read by decode_tuning at each launch)
+            setattr(pa, cap_name, cap)
             _sweep_line(f"stages {stages} maxnreg {cap or 'none'}", case.time_us(True, rope), bf16_us)
     finally:
-        pa.FP8_DECODE_STAGES, pa.FP8_DECODE_MAX_REGISTERS = defaults
+        pa.FP8_DECODE_STAGES = defaults[0]
+        setattr(pa, cap_name, defaults[1])
     launch = case.launch()
     other = replace(launch, block_n=96 - launch.block_n)
     _sweep_line(f"{other.block_n} keys a block", case.time_us(True, rope, other), bf16_us)
