@@ -325,8 +325,9 @@ def paged_attention_fwd(
     rotated keys are cached). ``chunk_size``: each token sees only keys of its own chunk;
     ``alibi_slopes`` [Hq]: ALiBi's per-head slopes. A ``float8_e4m3fn`` pool is an FP8 KV cache:
     the new k/v are stored as ``e4m3(k / k_scale)`` (and v), and read back times their scale.
-    ``launch`` overrides the block sizes and split count chosen from the shapes (tests use it). ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs =
-    (cdiv(T, block_q) + B) x KV heads x splits) records each program's events (``kernels/trace.py``).
+    ``launch`` overrides the block sizes and split count chosen from the shapes (tests use it).
+    ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs = (cdiv(T, block_q) + B) x KV
+    heads x splits) records each program's events (``kernels/trace.py``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
