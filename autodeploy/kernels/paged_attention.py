@@ -30,7 +30,10 @@ can be captured in a CUDA graph):
 - with a fused rotary embedding (``ROPE``, from ``fuse_rope_attention``), q is rotated when its tile
   is loaded and every new key when it is loaded from the inputs, for attention and for the cache
   write alike (pooled keys were rotated when they were written); decode launches walk the new keys
-  in blocks of 16 under a register cap (``rope_decode_tuning``).
+  in blocks of 16 under a register cap (``decode_tuning``);
+- an FP8 pool's keys and values are widened from e4m3 to fp16 for the dots (one instruction a pair;
+  to bf16 it takes one more a value): q goes in as fp16 too, scaled by a power of two that keeps
+  its largest value in fp16's range (``_fp16_queries``), and the scale comes out of the scores.
 
 Query ``i`` of sequence ``b`` sits at position ``context_lens[b] + i`` and sees keys ``j`` with
 ``j <= pos`` (and ``pos - j < sliding_window``; with ``chunk_size``, ``j >= pos // chunk_size *
@@ -53,9 +56,9 @@ from . import pdl, trace
 from .pdl import Trigger
 from .attention_config import AttentionLaunch
 from .paged_attention_blocks import (
-    LOG2E, MASK_FULL, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_tile, _load_key_block,
-    _load_pooled_block, _locate_tile, _merge_splits, _merge_token, _rotated, _row_limits, _softmax_step,
-    _split_keys, _write_new_kv,
+    LOG2E, MASK_FULL, MASK_TAIL, ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, _attend_tile, _fp16_queries,
+    _load_key_block, _load_pooled_block, _locate_tile, _merge_splits, _merge_token, _rotated, _row_limits,
+    _softmax_step, _split_keys, _write_new_kv,
 )
 
 SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_tile)
@@ -64,11 +67,20 @@ SEARCH_BLOCK = 256  # sequences whose first tiles one load fetches (see _locate_
 MAX_TOKEN_MERGE = 8192
 START, AFTER_WAIT = tl.constexpr(Trigger.START.value), tl.constexpr(Trigger.AFTER_WAIT.value)
 
-# Decode launches with a fused rotary embedding (see rope_decode_tuning)
-ROPE_DECODE_DIAGONAL_BLOCK = 16
+# Decode launches with a fused rotary embedding or over an FP8 pool (see decode_tuning)
+DECODE_DIAGONAL_BLOCK = 16
 # 96 (five programs per SM, 2 spill instructions in the key loop) was 6-8% faster at 480 sequences x
 # 192-256 keys and 2-3% slower at 64 and 256 x 512 (H200, 2026-12-04, kernels_gpu.py --context-sweep)
 ROPE_DECODE_MAX_REGISTERS = 128
+# An FP8 pool's decode: 128 registers (four programs of 128 threads per SM, as bf16; uncapped ptxas
+# takes 168: three) and three stages, two key blocks in flight per program: as many blocks as bf16
+# keeps in flight at two stages, where each block is half the bytes. With RoPE too the kernel spills
+# in its key loop under 128 (one local load a block) and runs uncapped (0; ptxas takes 168).
+# (tests/kernels/compile_sm90.py; the A/B on the GPU: bench/probes/fp8_kv_decode.py --sweep, which sets
+# these as the sweeps set ROPE_DECODE_MAX_REGISTERS.)
+FP8_DECODE_MAX_REGISTERS = 128
+FP8_ROPE_DECODE_MAX_REGISTERS = 0
+FP8_DECODE_STAGES = 3
 
 
 # Values that change from step to step: specializing on them (== 1, divisible by 16) would compile
@@ -176,6 +188,8 @@ def _paged_attention_kernel(
     if ROPE != ROPE_NONE:
         q = _rotated(q, q_ptr + q_rows * stride_qt + head * stride_qh, q_rows, row_ok, dims, cos_ptr, sin_ptr,
                      stride_rt, ROPE, ROT_DIM, False)
+    if KV_FP8:  # the dots in fp16, to which e4m3 widens in one instruction a pair
+        q, scale = _fp16_queries(q, scale)
     if SECOND_EARLY:  # (with PRELOAD_KV) issued before the dots, so that DRAM's latency overlaps them
         second_k, second_v = _load_pooled_block(second_keys, second_ok, second_page, cache_head, stride_cb,
                                                 stride_cs, stride_ckv, dims, dim_ok, PAGE_SIZE)
@@ -310,9 +324,10 @@ def paged_attention_fwd(
     With ``rope_cos``/``rope_sin`` ([T, R] per token) q and k are rotated in the kernel first (the
     rotated keys are cached). ``chunk_size``: each token sees only keys of its own chunk;
     ``alibi_slopes`` [Hq]: ALiBi's per-head slopes. A ``float8_e4m3fn`` pool is an FP8 KV cache:
-    the new k/v are stored as ``e4m3(k / k_scale)`` (and v), and read back times their scale. ``launch`` overrides the block sizes and split count chosen from the
-    shapes (tests use it). ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs =
-    (cdiv(T, block_q) + B) x KV heads x splits) records each program's events (``kernels/trace.py``).
+    the new k/v are stored as ``e4m3(k / k_scale)`` (and v), and read back times their scale.
+    ``launch`` overrides the block sizes and split count chosen from the shapes (tests use it).
+    ``trace_buffer`` ([programs, trace.EVENTS] int64, GPU only; programs = (cdiv(T, block_q) + B) x KV
+    heads x splits) records each program's events (``kernels/trace.py``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -329,12 +344,14 @@ def paged_attention_fwd(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, launch.num_splits)
     part_out, part_lse = _partials(launch.num_splits, q)
     counters = split_counters(grid[0] * num_kv_heads, q.device) if launch.num_splits > 1 else part_lse
-    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q, launch, kv_cache.dtype == torch.float8_e4m3fn)
+    rope = _RoPEArgs.of(rope_cos, rope_sin, rope_interleaved, q)
+    fp8_pool = kv_cache.dtype == torch.float8_e4m3fn
+    diagonal_block_n, num_stages, options = decode_tuning(launch, rope_cos is not None, fp8_pool)
     has_window = sliding_window is not None and sliding_window > 0
     has_chunk = chunk_size is not None and chunk_size > 0
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else q  # (q: an unused pointer)
     preload = launch.decode and launch.preload_kv
-    pool = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache  # (FP8: its bytes)
+    pool = kv_cache.view(torch.uint8) if fp8_pool else kv_cache  # (FP8: its bytes)
     _paged_attention_kernel[grid](
         out, part_out, part_lse, counters, q, k, v, pool, sinks if sinks is not None else q, rope.cos, rope.sin,
         context_lens, cu_seqlens, block_table, slot_mapping,
@@ -351,10 +368,10 @@ def paged_attention_fwd(
         TOKEN_MERGE=_token_merge_fits(launch.num_splits, group, head_dim),
         HAS_WINDOW=has_window, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_NEW_KEYS=not launch.decode,
-        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=rope.diagonal_block_n,
+        ROPE=rope.mode, ROT_DIM=rope.rot_dim, DIAG_BLOCK_N=diagonal_block_n,
         PRELOAD_KV=preload, SECOND_EARLY=preload and launch.second_block_early, TRIGGER=int(launch.trigger),
         TRACE=trace_buffer is not None, HAS_CHUNK=has_chunk, HAS_ALIBI=alibi_slopes is not None,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **rope.options,
+        num_warps=launch.num_warps, num_stages=num_stages, **options,
         **pdl.launch_options(q.device),
     )
     return out
@@ -365,36 +382,38 @@ def _token_merge_fits(num_splits: int, group: int, head_dim: int) -> bool:
     return pad(num_splits) * pad(group) * max(16, pad(head_dim)) <= MAX_TOKEN_MERGE
 
 
-def rope_decode_tuning(block_n: int, fp8_pool: bool = False) -> tuple[int, dict]:
-    """(keys per block of the diagonal loop, compile options) of a decode launch with a fused RoPE.
+def decode_tuning(launch: AttentionLaunch, rope: bool, fp8_pool: bool) -> tuple[int, int, dict]:
+    """(keys per block of the diagonal loop, pipeline stages, compile options) of a launch.
 
-    Rotating a block of new keys holds it and its partner halves in registers (without RoPE they go
-    from global to shared memory by cp.async). A decode tile has only a few new keys: blocks of 16
-    keep that cost small, and a cap of 128 registers keeps 4 programs of 128 threads per SM, as
-    without RoPE; ptxas then parks a few values outside the loops (tests/kernels/compile_sm90.py). An FP8
-    pool's kernel (e4m3 widened for the dots, new keys quantized) spills inside the loops under that
-    cap: it runs uncapped, as its launches without RoPE do."""
-    return min(block_n, ROPE_DECODE_DIAGONAL_BLOCK), {} if fp8_pool else {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
+    A decode launch with a fused RoPE or over an FP8 pool rotates or quantizes the few new keys of its
+    tiles in registers: blocks of 16 keep that cost small (at 64, an FP8 pool's kernel took 255
+    registers). RoPE: a cap of 128 registers keeps 4 programs of 128 threads per SM, as without RoPE;
+    ptxas then parks a few values outside the loops (tests/kernels/compile_sm90.py). An FP8 pool: see
+    FP8_DECODE_MAX_REGISTERS. Other launches run as ``launch`` says."""
+    if not launch.decode or not (rope or fp8_pool):
+        return launch.block_n, launch.num_stages, {}
+    diagonal = min(launch.block_n, DECODE_DIAGONAL_BLOCK)
+    if not fp8_pool:
+        return diagonal, launch.num_stages, {"maxnreg": ROPE_DECODE_MAX_REGISTERS}
+    cap = FP8_ROPE_DECODE_MAX_REGISTERS if rope else FP8_DECODE_MAX_REGISTERS
+    return diagonal, FP8_DECODE_STAGES, {"maxnreg": cap} if cap else {}
 
 
 @dataclass(frozen=True)
 class _RoPEArgs:
-    """The kernel's rotary arguments: cos/sin [T, R] sharing one row stride, the mode, R, and what the
-    mode changes in the launch (diagonal key block, compile options)."""
+    """The kernel's rotary arguments: cos/sin [T, R] sharing one row stride, the mode and R."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     stride: int
     mode: int
     rot_dim: int
-    diagonal_block_n: int
-    options: dict
 
     @classmethod
-    def of(cls, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, q: torch.Tensor,
-           launch: AttentionLaunch, fp8_pool: bool = False) -> "_RoPEArgs":
+    def of(cls, cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool,
+           q: torch.Tensor) -> "_RoPEArgs":
         if cos is None:  # unused pointers; the kernel compiles exactly as without these arguments
-            return cls(q, q, 0, ROPE_NONE.value, 0, launch.block_n, {})
+            return cls(q, q, 0, ROPE_NONE.value, 0)
         rot_dim = cos.shape[-1]
         per_token = cos.dim() == 2 and cos.shape[0] == q.shape[0]
         if cos.shape != sin.shape or not per_token or rot_dim % 2 or rot_dim > q.shape[-1]:
@@ -402,9 +421,8 @@ class _RoPEArgs:
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
-        block_n, options = rope_decode_tuning(launch.block_n, fp8_pool) if launch.decode else (launch.block_n, {})
         mode = ROPE_INTERLEAVED if interleaved else ROPE_HALF
-        return cls(cos, sin, cos.stride(0), mode.value, rot_dim, block_n, options)
+        return cls(cos, sin, cos.stride(0), mode.value, rot_dim)
 
 
 def _partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

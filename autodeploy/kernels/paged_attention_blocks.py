@@ -140,6 +140,21 @@ def _load_pooled_block(keys, key_ok, page, cache_head, stride_cb, stride_cs, str
 
 
 @triton.jit
+def _fp16_queries(q, scale):
+    """A 16-bit q tile as fp16 times 2**shift, the shift putting its largest magnitude in [2**14, 2**15)
+    (bf16 has 8 significant bits, fp16 11: every value then converts exactly but those 2**25 times
+    smaller than the largest, which round as fp16 subnormals), and ``scale`` times 2**-shift: the
+    scores are unchanged. An fp32 q stays as it is (its dots run in fp32)."""
+    if q.dtype.primitive_bitwidth == 16:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(14 - exponent, -64), 64)  # (an all-zero tile: any shift)
+        q = (q.to(tl.float32) * ((127 + shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return q, scale
+
+
+@triton.jit
 def _to_e4m3(x, scale):
     """``x / scale`` as an FP8 pool stores it: rounded to the nearest e4m3 value (ties to even), saturating."""
     return round_to_e4m3(tl.math.div_rn(x.to(tl.float32), scale)).to(tl.float8e4nv)

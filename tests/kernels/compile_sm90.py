@@ -50,6 +50,7 @@ from autodeploy.kernels import norm_quantize as nq  # noqa: E402
 from autodeploy.kernels import quant_gemm as qm  # noqa: E402
 from autodeploy.kernels import quant_gemv as qg  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
+from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -114,7 +115,8 @@ def _spills_in_loops(cubin: bytes) -> int:
 def _instructions(ptx: str) -> str:
     kinds = [("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("cp.async", r"cp\.async\.c[ag]"),
              ("ld.v4", r"ld\.global\S*\.v4"), ("st.v4", r"st\.global\S*\.v4"),
-             ("ld.cg.v4", r"ld\.global\.cg\S*\.v4")]  # (.cg: the split merge's loads of partials)
+             ("ld.cg.v4", r"ld\.global\.cg\S*\.v4"),  # (.cg: the split merge's loads of partials)
+             ("cvt.bf16.f16", r"cvt\.bf16\.f16")]  # (e4m3 -> fp16 -> bf16: one more conversion a value)
     found = [(name, len(re.findall(pattern, ptx))) for name, pattern in kinds]
     return " ".join(f"{name} x{count}" if name == "ld.cg.v4" else name for name, count in found if count)
 
@@ -170,6 +172,27 @@ def _attention(dtype="bf16", kv_fp8=False, **overrides):
     const.setdefault("TOKEN_MERGE", paged_attention._token_merge_fits(const["NUM_SPLITS"], const["GROUP"],
                                                                       const["HEAD_DIM"]))
     return paged_attention._paged_attention_kernel, pointers, const
+
+
+def _decode_tuning(block_n, rope=False, fp8_pool=False):
+    """(diagonal block, stages, compile options) of a decode launch with ``block_n`` keys a block, as the kernel
+    chooses them (``paged_attention.decode_tuning``)."""
+    return paged_attention.decode_tuning(AttentionLaunch(16, block_n, decode=True), rope, fp8_pool)
+
+
+def _fp8_pool_variants(rope, prefill):
+    """An FP8 (e4m3) KV cache: the decode launches of batch 64 (no split, 64 keys a block), of split grids
+    (32 keys a block, the first preloaded) and batch 1, each without and with RoPE; a prefill. Decodes without
+    RoPE: FP8_DECODE_MAX_REGISTERS (test_compile_sm90.py holds them to it)."""
+    for block_n, label, shape in ((64, "(no split)", dict(NUM_SPLITS=1)), (32, "(split 4)", {}),
+                                  (32, "b1 (s16, PDL)", dict(num_seqs=1, num_tokens=1, NUM_SPLITS=16, PDL=True))):
+        for fused in (False, True):
+            diagonal, stages, options = _decode_tuning(block_n, fused, fp8_pool=True)
+            consts = {**(rope if fused else {}), **shape, "BLOCK_N": block_n, "DIAG_BLOCK_N": diagonal}
+            name = f"attn fp8-kv {'rope ' if fused else ''}decode {label}"
+            yield (name, *_attention(kv_fp8=True, **consts), 4, stages, {**options, "launch_pdl": True}
+                   if shape.get("PDL") else options)
+    yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
 
 
 def _gemv(dtype="bf16", prologue=gemv.Prologue.NONE, pdl=True, **overrides):
@@ -313,7 +336,7 @@ def variants():
     yield ("attn decode batch 1 (num_seqs = T = 1)", *_attention(num_seqs=1, num_tokens=1), 4, 2)
     yield ("attn decode gqa3 d64 (split 4, smollm2)", *_attention(GROUP=3, HEAD_DIM=64, BLOCK_D=64), 4, 2)
     # RoPE folded into the attention (fuse_rope_attention): q and the new keys rotated in the kernel
-    diagonal, options = paged_attention.rope_decode_tuning(64)
+    diagonal, _, options = _decode_tuning(64, rope=True)
     half = dict(ROPE=ROPE_HALF.value, ROT_DIM=128, DIAG_BLOCK_N=diagonal)
     yield ("attn rope decode gqa4 d128 (split 4)", *_attention(**half), 4, 2, options)
     yield ("attn rope decode gqa4 d128 (no split)", *_attention(**dict(half, NUM_SPLITS=1)), 4, 2, options)
@@ -321,7 +344,7 @@ def variants():
     yield ("attn rope decode batch 1 (PDL)", *_attention(num_seqs=1, num_tokens=1, **dict(half, PDL=True)), 4, 2,
            {**options, "launch_pdl": True})
     # small grids (batch 1 and 8): 32 keys per block, one diagonal block of 16
-    diagonal32, options32 = paged_attention.rope_decode_tuning(32)
+    diagonal32, _, options32 = _decode_tuning(32, rope=True)
     half32 = dict(half, BLOCK_N=32, DIAG_BLOCK_N=diagonal32)
     yield ("attn rope decode b1 (32 keys, s16, PDL)",
            *_attention(num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
@@ -341,15 +364,7 @@ def variants():
            *_attention(**dict(half, ROPE=ROPE_INTERLEAVED.value, ROT_DIM=64)), 4, 2, options)
     yield ("attn rope prefill gqa4 d128 (BLOCK_M 128)", *_attention(BLOCK_Q=32, **prefill, ROPE=ROPE_HALF.value,
                                                                     ROT_DIM=128), 8, 2)
-    # an FP8 (e4m3) KV cache: the decode launches of batch 64 (no split) and batch 1 (splits, RoPE), prefill
-    yield ("attn fp8-kv decode gqa4 d128 (no split)", *_attention(kv_fp8=True, NUM_SPLITS=1), 4, 2)
-    fp8_options = paged_attention.rope_decode_tuning(32, fp8_pool=True)[1]  # (no register cap)
-    yield ("attn fp8-kv rope decode b1 (32 keys, s16, PDL)",
-           *_attention(kv_fp8=True, num_seqs=1, num_tokens=1, **dict(half32, NUM_SPLITS=16, PDL=True)), 4, 2,
-           {**fp8_options, "launch_pdl": True})
-    yield ("attn fp8-kv rope decode gqa4 d128 (no split)", *_attention(kv_fp8=True, **dict(half, NUM_SPLITS=1)), 4,
-           2, fp8_options)
-    yield ("attn fp8-kv prefill gqa4 d128 (BLOCK_M 128)", *_attention(kv_fp8=True, BLOCK_Q=32, **prefill), 8, 2)
+    yield from _fp8_pool_variants(half, prefill)
     write_ptrs = {**bf16_ptrs("k_ptr", "v_ptr", "cache_ptr", "out_ptr"), "slot_ptr": "*i64", "cu_seqlens_ptr": "*i64"}
     write_const = dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, OUT_ROW=4096, BLOCK_OUT=4096)
     yield ("kv cache write (8 heads x 128, flashinfer)", kv_cache_write._write_kv_kernel, write_ptrs, write_const, 4, 1)

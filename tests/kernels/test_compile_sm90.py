@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from autodeploy.kernels.paged_attention import FP8_DECODE_MAX_REGISTERS
+
 TOOL = Path(__file__).resolve().parent / "compile_sm90.py"
 
 
@@ -28,3 +30,11 @@ def test_all_kernels_compile_for_hopper_without_spills():
     rows = {line[:44].strip(): line for line in run.stdout.splitlines()}
     assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4 weight-only 4096 rows"]
     assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]
+    # an FP8 pool's decode (no RoPE) as light as bf16's: four programs per SM (it took 255 registers, quantizing
+    # the new keys 64 at a time), and e4m3 widened to fp16 (one instruction a pair), never on to bf16 (one more
+    # conversion a value, at a quarter of the issue rate: 128 a thread per 64-key block)
+    fp8_decodes = [line for name, line in rows.items() if name.startswith("attn fp8-kv decode")]
+    assert len(fp8_decodes) == 3, fp8_decodes
+    for line in fp8_decodes:
+        assert int(line[44:].split()[0]) <= FP8_DECODE_MAX_REGISTERS, line
+    assert not any("cvt.bf16.f16" in line for name, line in rows.items() if "fp8-kv" in name), run.stdout

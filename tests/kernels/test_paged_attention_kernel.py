@@ -199,6 +199,35 @@ def test_fp8_cache_with_window_softcap_sinks_chunks_and_alibi():
              sinks=True, chunk=5, alibi=True, cache_dtype=FP8, k_scale=0.01, v_scale=0.02)
 
 
+def test_fp8_cache_decode_launch_quantizes_new_keys_in_blocks_of_16():
+    """A decode launch over an FP8 pool quantizes the new keys in blocks of 16 (``decode_tuning``), not its 64
+    keys a block: a prompt chunk of 40 tokens in a decode-shaped step takes several such blocks."""
+    _compare([(37, 1), (0, 40), (3, 1)], 4, 2, 16, torch.float16, AttentionLaunch(16, 64, 2, decode=True), page=8,
+             cache_dtype=FP8, k_scale=0.01, v_scale=0.02)
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** 20, 2.0 ** -20], ids=["beyond-fp16", "fp16-subnormal"])
+def test_fp8_cache_with_bf16_queries_beyond_fp16s_range(magnitude):
+    """Over an FP8 pool the dots run in fp16 (e4m3 widens to it in one instruction a pair): bf16 queries go in
+    scaled by a power of two, so that queries of 2**20 (fp16 overflows at 65504) or 2**-20 (fp16 subnormals)
+    give the reference's result to the output's rounding. (The interpreter runs these bf16 launches right:
+    their dots are fp16.)"""
+    torch.manual_seed(0)
+    blocks = shuffled_blocks([c + n for c, n in MIXED], 4, num_blocks=64)
+    query_lens, context_lens, cu, table, slots = step_metadata(
+        [(c, n, b) for (c, n), b in zip(MIXED, blocks)], 4, 2)
+    q = (torch.randn(slots.shape[0], 4, 16) * magnitude).to(torch.bfloat16)
+    k, v = (torch.randn(slots.shape[0], 2, 16).to(torch.bfloat16) for _ in range(2))
+    want_cache = random_cache(64, 4, 2, 16, FP8)
+    got_cache = want_cache.clone()
+    scales = dict(k_scale=0.01, v_scale=0.02)
+    want = REFERENCE(q, k, v, want_cache, query_lens, context_lens, cu, table, slots, 0.3 / magnitude, **scales)
+    got = paged_attention_fwd(q, k, v, got_cache, cu, context_lens, table, slots, 0.3 / magnitude,
+                              launch=AttentionLaunch(16, 16, 3, decode=True), **scales)
+    assert torch.equal(cache_bits(got_cache), cache_bits(want_cache))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)  # bf16: one ulp of ~2.4
+
+
 def test_tiles_larger_than_pages_and_pages_larger_than_tiles():
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(64, 32, 1), page=2)
     _compare(MIXED, 4, 2, 16, torch.float32, AttentionLaunch(16, 8, 1), page=16)

@@ -64,7 +64,7 @@ def test_partial_and_interleaved_rotations(rotation, decode):
 
 
 def test_decode_launch_walks_many_new_keys_in_small_blocks():
-    """A decode launch rotates new keys in blocks of 16 (``rope_decode_tuning``): a prompt chunk of 40
+    """A decode launch rotates new keys in blocks of 16 (``decode_tuning``): a prompt chunk of 40
     tokens in a decode-shaped step takes several such blocks, next to decodes with long contexts."""
     seqs = [(37, 1), (0, 40), (70, 1), (16, 1)] + [(3, 1)] * 8
     _compare(seqs, 8, 2, torch.float32, AttentionLaunch(16, 64, 2, decode=True), "half", head_dim=32, page=8)
