@@ -19,7 +19,7 @@ from autodeploy.mixed_graphs import MixedGraphRunner, sequence_buckets
 from autodeploy.tiny import make_tiny_checkpoint
 
 SIZES = [4, 16, 32]
-GRAPHS = {"piecewise": True, "piecewise_on_cpu": True, "mixed_graphs_on_cpu": True, "piecewise_sizes": SIZES}
+GRAPHS = {"piecewise": True, "piecewise_on_cpu": True, "mixed_graphs": True, "mixed_graphs_on_cpu": True, "piecewise_sizes": SIZES}
 CPU = dict(device="cpu", dtype="float32", max_seq_len=64, max_batch_size=8, max_num_tokens=64, num_kv_blocks=40)
 SHAPES = [(4, 3), (16, 3), (16, 8), (32, 7), (32, 8)]  # (tokens, sequences) of SIZES at 8 sequences
 
@@ -179,7 +179,7 @@ def _apply_pass(model, properties=("state_is_kv_only",), **config):
     ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config, config=model.config, device=model.device,
                          dtype=model.report.dtype, properties=set(properties),
                          artifacts={"kv_pool": model.pool, "kv_capacity": model.capacity, "attention_backend": "torch"})
-    result = CompileCudaGraphs(CudaGraphConfig(**{"mixed_graphs_on_cpu": True} | config)).apply(ctx)
+    result = CompileCudaGraphs(CudaGraphConfig(**{"mixed_graphs": True, "mixed_graphs_on_cpu": True} | config)).apply(ctx)
     return ctx.artifacts.get("mixed_graphs"), result.detail
 
 

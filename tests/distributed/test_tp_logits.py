@@ -29,7 +29,7 @@ def test_llama_over_two_ranks_equals_one_process(tmp_path):
     """Also with an FP8 KV cache (each rank's pool holds its heads, quantized with the same scales), its
     steps through whole-step graphs (the CPU stand-in: the other ranks replay the shape rank 0 names)."""
     path = _checkpoints(tmp_path, "llama")["llama"]
-    whole_steps = {"compile_cuda_graphs": {"mixed_graphs_on_cpu": True, "piecewise_sizes": [8, 32]}}
+    whole_steps = {"compile_cuda_graphs": {"mixed_graphs": True, "mixed_graphs_on_cpu": True, "piecewise_sizes": [8, 32]}}
     runs = {"llama": (path, {}), "llama fp8 kv": (path, {"kv_cache_dtype": "fp8", "passes": whole_steps})}
     results, worker_collectives = run_on_ranks(2, tp_greedy, 2, runs, STEPS)
     ranks = [results["collectives"], worker_collectives]

@@ -25,7 +25,7 @@ def model(tmp_path_factory):
     with counting_captures() as captures:
         compiled = autodeploy.compile(path, device="cuda", dtype="float32", attention_backend="triton",
                                       max_batch_size=8, max_seq_len=128, max_num_tokens=128, tokens_per_block=16,
-                                      num_kv_blocks=64, passes={"compile_cuda_graphs": {"piecewise_sizes": SIZES}})
+                                      num_kv_blocks=64, passes={"compile_cuda_graphs": {"piecewise_sizes": SIZES, "mixed_graphs": True}})
     compiled.captures_at_compile, compiled.path = list(captures), path
     return compiled
 
