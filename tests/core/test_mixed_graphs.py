@@ -17,6 +17,7 @@ from autodeploy.kernels.attention_config import DECODE_TOKENS_PER_SEQ
 from autodeploy.kvcache.metadata import BatchMetadata, SequenceChunk
 from autodeploy.mixed_graphs import MixedGraphRunner, sequence_buckets
 from autodeploy.tiny import make_tiny_checkpoint
+from graph_pass import apply_cuda_graph_pass
 
 SIZES = [4, 16, 32]
 GRAPHS = {"piecewise": True, "piecewise_on_cpu": True, "mixed_graphs": True, "mixed_graphs_on_cpu": True, "piecewise_sizes": SIZES}
@@ -173,14 +174,7 @@ def test_canary_and_the_async_engine_run_through_whole_step_graphs(compiled, rep
 
 
 def _apply_pass(model, properties=("state_is_kv_only",), **config):
-    from autodeploy.passes.compile_cuda_graphs import CompileCudaGraphs, CudaGraphConfig
-    from autodeploy.pipeline.base import CompileContext
-
-    ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config, config=model.config, device=model.device,
-                         dtype=model.report.dtype, properties=set(properties),
-                         artifacts={"kv_pool": model.pool, "kv_capacity": model.capacity, "attention_backend": "torch"})
-    result = CompileCudaGraphs(CudaGraphConfig(**{"mixed_graphs": True, "mixed_graphs_on_cpu": True} | config)).apply(ctx)
-    return ctx.artifacts.get("mixed_graphs"), result.detail
+    return apply_cuda_graph_pass(model, {"mixed_graphs": True, "mixed_graphs_on_cpu": True} | config, "mixed_graphs", properties)
 
 
 def test_whole_step_graphs_are_a_switch_and_refused_where_they_cannot_hold(compiled):

@@ -20,6 +20,7 @@ from autodeploy.kvcache.allocator import BlockAllocator, blocks_needed
 from autodeploy.kvcache.metadata import GRAPH_INPUTS, BatchMetadata, SequenceChunk
 from autodeploy.piecewise import PiecewiseRunner, default_piecewise_sizes
 from autodeploy.tiny import make_tiny_checkpoint
+from graph_pass import apply_cuda_graph_pass
 
 SIZES = [4, 16, 32]
 PIECEWISE = {"compile_cuda_graphs": {"piecewise": True, "piecewise_on_cpu": True, "piecewise_sizes": SIZES}}
@@ -293,14 +294,7 @@ def test_bucket_sizes(compiled):
 
 
 def _apply_pass(model, properties=("state_is_kv_only",), **config):
-    from autodeploy.passes.compile_cuda_graphs import CompileCudaGraphs, CudaGraphConfig
-    from autodeploy.pipeline.base import CompileContext
-
-    ctx = CompileContext(gm=copy.deepcopy(model.gm), hf_config=model.hf_config, config=model.config, device=model.device,
-                         dtype=model.report.dtype, properties=set(properties),
-                         artifacts={"kv_pool": model.pool, "kv_capacity": model.capacity, "attention_backend": "torch"})
-    result = CompileCudaGraphs(CudaGraphConfig(**{"piecewise": True, "piecewise_on_cpu": True} | config)).apply(ctx)
-    return ctx.artifacts.get("piecewise_graphs"), result.detail
+    return apply_cuda_graph_pass(model, {"piecewise": True, "piecewise_on_cpu": True} | config, "piecewise_graphs", properties)
 
 
 def test_piecewise_is_a_switch_on_by_default_and_its_sizes_are_set_by_config(compiled):
