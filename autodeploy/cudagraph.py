@@ -169,6 +169,14 @@ def graph_inputs(gm: fx.GraphModule, inputs: dict[str, torch.Tensor]) -> tuple[t
     return tuple(inputs[node.name] for node in gm.graph.find_nodes(op="placeholder"))
 
 
+def dummy_step_inputs(gm: fx.GraphModule, pool: KVPool, pad: Padding, buffers: StepBuffers) -> tuple[torch.Tensor, ...]:
+    """The inputs of a step captured at ``pad``, staged in ``buffers``: one real dummy sequence writing slot 0
+    of block 0 (overwritten before anyone reads it), the rest padding; in ``gm``'s placeholder order."""
+    static = BatchMetadata.build([SequenceChunk((0,), 0, (0,))], pool.block_size, buffers.device, pad=pad,
+                                 buffers=buffers)
+    return graph_inputs(gm, {**static.as_kwargs(), **pool.as_kwargs()})
+
+
 def default_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, then every 32 up to max_batch_size (vLLM/TRT-LLM use similar ladders)."""
     sizes = {s for s in (1, 2, 4, 8, 16, 32) if s <= max_batch_size}
@@ -220,14 +228,10 @@ class CudaGraphRunner:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.batch_sizes, self.capture_seconds)
 
     def _static_step(self, size: int) -> tuple[StepBuffers, Padding, tuple[torch.Tensor, ...]]:
-        """The captured step's input buffers: one real dummy sequence writing block 0 (overwritten
-        before anyone reads it), the rest padding; the graph's inputs in order."""
+        """The captured step's own input buffers, its padding and the graph's inputs (``dummy_step_inputs``)."""
         pad = Padding(num_tokens=size, num_seqs=size, max_blocks=self.max_blocks)
-        device = self.pool.caches[0].device
-        buffers = StepBuffers(pad.metadata_size, device)
-        static = BatchMetadata.build([SequenceChunk((0,), 0, (0,))], self.pool.block_size, device, pad=pad,
-                                     buffers=buffers)
-        return buffers, pad, graph_inputs(self.gm, {**static.as_kwargs(), **self.pool.as_kwargs()})
+        buffers = StepBuffers(pad.metadata_size, self.pool.caches[0].device)
+        return buffers, pad, dummy_step_inputs(self.gm, self.pool, pad, buffers)
 
     def fits(self, chunks: list[SequenceChunk]) -> bool:
         return (

@@ -46,7 +46,7 @@ import time
 import torch
 from torch import fx
 
-from .cudagraph import CudaStepGraph, DirectStepGraph, graph_inputs
+from .cudagraph import CudaStepGraph, DirectStepGraph, dummy_step_inputs
 from .kernels.attention_config import DECODE_TOKENS_PER_SEQ
 from .kvcache.metadata import BatchMetadata, DeferredTokens, Padding, SequenceChunk, StepBuffers
 from .kvcache.pool import KVPool
@@ -151,11 +151,8 @@ class MixedGraphRunner:
         log.info("captured whole-step graphs %s in %.1f s", self.describe(), self.capture_seconds)
 
     def _static_step(self, pad: Padding) -> tuple[torch.Tensor, ...]:
-        """The graph's inputs for ``pad``: one real dummy token writing slot 0 of block 0 (overwritten
-        before anyone reads it), the rest padding, staged in the shared buffer."""
-        static = BatchMetadata.build([SequenceChunk((0,), 0, (0,))], self.pool.block_size, self.buffers.device,
-                                     pad=pad, buffers=self.buffers)
-        return graph_inputs(self.gm, {**static.as_kwargs(), **self.pool.as_kwargs()})
+        """The graph's inputs for ``pad``, staged in the shared buffer (``cudagraph.dummy_step_inputs``)."""
+        return dummy_step_inputs(self.gm, self.pool, pad, self.buffers)
 
     def describe(self) -> str:
         return (f"{self.num_captures} shapes over {len(self.token_sizes)} token buckets "
