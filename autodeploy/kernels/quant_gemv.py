@@ -109,7 +109,7 @@ def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.const
 def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn,
                    stride_sk, block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                   E2M1_PTX: tl.constexpr):
+                   E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
     """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
     as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
     bs = b0 + tl.arange(0, BLOCK_B)
@@ -120,7 +120,11 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
             k_scale = tl.load(scale_ptr + block_row * stride_sn + (bs // scale_cols) * stride_sk, mask=bs < K,
                               other=0.0)
             x = x * k_scale[None, :]
-        acc = _accumulate(acc, w.to(tl.float8e4nv, bitcast=True), x, BLOCK_M)
+        if FOLD == 1:
+            acc = _accumulate(acc, w.to(tl.float8e4nv, bitcast=True), x, BLOCK_M)
+        else:  # FOLD adjacent products summed in the thread first: a smaller accumulator per weight byte
+            products = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.sum(x, 0)[None, :]
+            acc += tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_B // FOLD, FOLD]), 2)
     else:
         # NVFP4: bytes -> elements in order (low nibble first), products summed per block of 16
         # elements, each sum times its block's e4m3 scale: one multiply and one accumulator per block
@@ -148,7 +152,9 @@ def _quant_gemv_kernel(
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
+    FOLD: tl.constexpr = 1,
 ):
+    tl.static_assert(FOLD == 1 or (BLOCK_M == 1 and FORMAT == FP8), "FOLD: FP8 at one row")
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -170,7 +176,7 @@ def _quant_gemv_kernel(
         pdl.allow_dependents(PDL)
     if not PRELOAD:
         w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
-    lanes_acc: tl.constexpr = BLOCK_B if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
+    lanes_acc: tl.constexpr = BLOCK_B // FOLD if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
     acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
     for b0 in range(0, row_bytes, BLOCK_B):
         w = w_next
@@ -178,7 +184,7 @@ def _quant_gemv_kernel(
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
         acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
                              stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M,
-                             BLOCK_N, BLOCK_B, E2M1_PTX)
+                             BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
@@ -193,24 +199,53 @@ def _quant_gemv_kernel(
 
 @dataclass(frozen=True)
 class QuantGemvLaunch:
-    """Tile sizes of one launch: ``block_n`` features x ``block_b`` weight bytes per row (shapes only)."""
+    """Tile sizes of one launch: ``block_n`` features x ``block_b`` weight bytes per row (shapes only);
+    ``fold`` (FP8, one row): that many adjacent products summed in the thread before the accumulator,
+    which then holds ``block_b / fold`` lanes per feature: fewer registers per weight byte in flight."""
 
     block_n: int
     block_b: int
     num_warps: int = 4
     trigger: Trigger = Trigger.AFTER_WAIT  # as the bf16 GEMV (gemv.GemvLaunch)
     preload: bool = True
+    fold: int = 1
 
     @classmethod
     def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1,
                block_rows: int | None = None) -> "QuantGemvLaunch":
         """One row: FP8 4 features x 1024 bytes (the bf16 GEMV's accumulator of 4 x 1024 lanes),
         NVFP4 4 x 512 bytes (as many elements); up to four rows: 16 x 128 bytes. ``block_rows``: the
-        weight rows of one FP8 scale block, which ``block_n`` must divide."""
+        weight rows of one FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
+        ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile:
+        a measurement knob (``bench/probes/quant_kernels.py --sweep`` finds candidates)."""
+        if rows == 1 and fmt == WeightFormat.FP8 and FP8_GEMV_TILE is not None and block_rows is None:
+            block_n, block_b, warps, fold = FP8_GEMV_TILE
+            block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))
+            return cls(block_n, block_b, warps, fold=min(fold, block_b))
         block_n, block_b = (16, 128) if rows > 1 else (4, 1024 if fmt == WeightFormat.FP8 else 512)
         if block_rows is not None:
             block_n = min(block_n, block_rows & -block_rows)  # the largest power of two dividing it
         return cls(block_n, min(block_b, max(16, triton.next_power_of_2(row_bytes))))
+
+    def check(self, rows: int, what: str) -> None:
+        if self.fold & (self.fold - 1) or self.block_b % self.fold:
+            raise ValueError(f"{what}: fold {self.fold} must be a power of two dividing block_b {self.block_b}")
+        if self.fold > 1 and rows > 1:
+            raise ValueError(f"{what}: fold {self.fold} is for one row, got {rows}")
+
+
+def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
+    """``AUTODEPLOY_FP8_GEMV_TILE``'s four integers, or None where unset."""
+    if not value:
+        return None
+    try:
+        block_n, block_b, warps, fold = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"AUTODEPLOY_FP8_GEMV_TILE={value!r}: expected block_n,block_b,num_warps,fold") from None
+    return block_n, block_b, warps, fold
+
+
+FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
 
 
 @dataclass(frozen=True)
@@ -264,6 +299,7 @@ def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     rows = _rows(x, k, bias, n, "fp8_gemv")
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
+    launch.check(rows.shape[0], "fp8_gemv")
     if scales.block_scaled and scales.rows % launch.block_n:
         raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
                          f"{scales.rows} rows")
@@ -280,6 +316,8 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     n, row_bytes = weight_packed.shape
     rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
     launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    if launch.fold != 1:
+        raise ValueError(f"nvfp4_gemv: fold is FP8's (its products are summed per block of 16), got {launch.fold}")
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
     return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
@@ -312,7 +350,7 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_b
             *scales.kernel_args(),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
-            TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device),
+            TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device), FOLD=launch.fold,
             num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )

@@ -49,7 +49,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYERS = 32  # Llama-3.1-8B
 CHECK_ROWS = 256
 TOLERANCE = 1e-2
-# --sweep: GEMV (features, bytes, warps), tensor-core GEMM at 16 rows (features, K tile, stages)
+# --sweep: GEMV (features, bytes, warps[, FP8's fold]), tensor-core GEMM at 16 rows (features, K tile, stages).
+# FP8's candidates hold more weight bytes in flight per SM than the default 4/1024/4/1 (80 registers, 6 programs
+# of 2 x 4 KB tiles: 48 KB; the bf16 GEMV 112 KB): sm_90 registers from tests/kernels/compile_sm90.py's compiler
+FP8_GEMV_SWEEP = [(4, 1024, 4, 1), (4, 1024, 4, 4), (2, 2048, 4, 8), (1, 2048, 4, 16), (1, 4096, 4, 16),
+                  (1, 4096, 2, 16), (1, 8192, 4, 32), (4, 2048, 8, 8), (2, 1024, 2, 4)]
 GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
 TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
 
@@ -279,12 +283,16 @@ def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None,
 
 
 def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[Result]:
-    """The batch-1 weight-only kernels over launch configs: the CUDA-core GEMVs over ``GEMV_SWEEP``
-    (features x bytes / warps), the tensor-core GEMMs over ``TC_SWEEP`` (features, K tile, stages)."""
+    """The batch-1 weight-only kernels over launch configs: the CUDA-core GEMVs over ``FP8_GEMV_SWEEP`` /
+    ``GEMV_SWEEP`` (features x bytes / warps [/ fold]), the tensor-core GEMMs over ``TC_SWEEP`` (features, K
+    tile, stages)."""
     from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
 
-    kernels = {"fp8_gemv channel": (fp8_gemv, GEMV_SWEEP, QuantGemvLaunch),
+    def fp8_launch(block_n, block_b, warps, fold):
+        return QuantGemvLaunch(block_n, block_b, warps, fold=fold)
+
+    kernels = {"fp8_gemv channel": (fp8_gemv, FP8_GEMV_SWEEP, fp8_launch),
                "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),
                "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
                "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}

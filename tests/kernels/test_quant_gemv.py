@@ -17,6 +17,7 @@ DTYPES = [torch.float32, torch.float16]
 SMALL = QuantGemvLaunch(block_n=8, block_b=32)
 UNLOADED = QuantGemvLaunch(block_n=8, block_b=32, trigger=Trigger.START, preload=False)
 LAUNCHES = pytest.mark.parametrize("launch", [SMALL, UNLOADED], ids=["preload", "no-preload"])
+FOLDED = QuantGemvLaunch(block_n=2, block_b=64, fold=16)  # FP8 at one row: 16 products summed per lane first
 
 
 def rel_err(got, want):
@@ -77,6 +78,29 @@ def test_fp8_gemv_matches_the_reference(kind, dtype, m, launch):
     x = torch.randn(m, k).to(dtype)
     check_with_and_without_bias(lambda b: fp8_gemv(x, weight, scale, block, b, launch=launch),
                                 lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_gemv_with_folded_lanes_matches_the_reference(kind, dtype):
+    n, k = 40, 200  # rows of 200 bytes: three whole tiles of 64 and a ragged one, two features per program
+    weight = fp8_weight(n, k)
+    scale, block = fp8_scale(kind, n, k, block=(2, 32))
+    x = torch.randn(1, k).to(dtype)
+    check_with_and_without_bias(lambda b: fp8_gemv(x, weight, scale, block, b, launch=FOLDED),
+                                lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
+
+
+def test_a_tile_from_the_environment_replaces_fp8s_one_row_tile(monkeypatch):
+    from autodeploy.kernels import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "FP8_GEMV_TILE", quant_gemv._tile_from_env("1,4096,4,16"))
+    assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(1, 4096, 4, fold=16)
+    assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(1, 64, 4, fold=16)  # a short row
+    assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)  # one row only
+    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
+    with pytest.raises(ValueError, match="expected block_n,block_b,num_warps,fold"):
+        quant_gemv._tile_from_env("4,1024")
 
 
 @LAUNCHES
@@ -150,16 +174,18 @@ BAD_FP8 = [
     (dict(x=torch.ones(1, 32, dtype=torch.int32)), "bfloat16, float16 or float32"),
     (dict(x=torch.randn(5, 32)), "at most 4 rows"),
     (dict(bias=torch.randn(7)), r"expected \(8,\)"),
+    (dict(launch=QuantGemvLaunch(4, 32, fold=3)), "fold 3 must be a power of two dividing block_b 32"),
+    (dict(x=torch.randn(2, 32), launch=QuantGemvLaunch(4, 32, fold=4)), "fold 4 is for one row, got 2"),
 ]
 
 
 @pytest.mark.parametrize("bad,message", BAD_FP8)
 def test_fp8_gemv_refuses_bad_inputs(bad, message):
     args = dict(x=torch.randn(1, 32), weight=fp8_weight(8, 32), scale=torch.tensor(1.0), block=None,
-                bias=None)
+                bias=None, launch=None)
     args.update(bad)
     with pytest.raises(ValueError, match=message):
-        fp8_gemv(args["x"], args["weight"], args["scale"], args["block"], args["bias"])
+        fp8_gemv(args["x"], args["weight"], args["scale"], args["block"], args["bias"], launch=args["launch"])
 
 
 BAD_NVFP4 = [
@@ -170,6 +196,7 @@ BAD_NVFP4 = [
     (dict(scale_2=torch.ones(2)), "one float32 value"),
     (dict(x=torch.randn(1, 16)), "expects 32 input features"),
     (dict(launch=QuantGemvLaunch(4, 8)), "block_b must be at least 16 bytes"),
+    (dict(launch=QuantGemvLaunch(4, 32, fold=4)), "fold is FP8's"),
 ]
 
 
