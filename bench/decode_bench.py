@@ -239,7 +239,8 @@ def add_options(group) -> None:
     group.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     group.add_argument("--steps", type=int, default=20, help="timed steps")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="compile setting of the autodeploy rows (dotted key), e.g. kv_cache_dtype=fp8")
+                       help="compile setting of the autodeploy rows and the serving section's server (dotted key), "
+                            "e.g. kv_cache_dtype=fp8")
     group.add_argument("--prefill-batch", type=int, default=0,
                        help="also time one prefill of this many prompts of --context tokens (0: no prefill rows)")
 

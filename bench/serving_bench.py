@@ -94,9 +94,10 @@ def table_rows(args, header) -> Iterator[TableRow]:
             cfg.save_pretrained(model_dir)
             save_tokenizer(model_dir)
             max_seq_len = max(sum(plan.lens), sum(plan.long_lens))
-            options = server_options(plan.top, max_seq_len, weights.settings) + ["--num_kv_blocks", str(KV_BLOCKS)]
+            options = server_options(plan.top, max_seq_len, weights.settings, args.set) + ["--num_kv_blocks",
+                                                                                           str(KV_BLOCKS)]
             runs, hook_rows = serve_all(args.guidellm, plan, model_dir, options, out_dir / weights.name, cfg.vocab_size)
-        steps = engine_steps(cfg, plan, context, weights.settings)
+        steps = engine_steps(cfg, plan, context, weights.settings, args.set)
         engine_tok_s = plan.top * 1e3 / steps[plan.top][1]
         for run in runs:
             floor = streamed_bytes(cfg, run.concurrency or plan.top, run.context, weights.bytes_per_weight,
@@ -178,9 +179,9 @@ def save_tokenizer(model_dir: str, vocab_size: int = 2048) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(model_dir)
 
 
-def engine_steps(cfg, plan: Plan, context: int, settings: dict) -> dict[int, tuple[float, float]]:
+def engine_steps(cfg, plan: Plan, context: int, settings: dict, overrides=()) -> dict[int, tuple[float, float]]:
     """batch -> (bare step ms, engine step ms) at each concurrency as batch, on the model compiled here."""
-    model, _ = compile_autodeploy(cfg, plan.top, context, settings)
+    model, _ = compile_autodeploy(cfg, plan.top, context, settings, tuple(overrides))
     steps = {b: (bench_autodeploy(model, b, context, 20), bench_engine(model, b, context, 20)[0])
              for b in plan.concurrencies}
     del model
@@ -204,10 +205,12 @@ def guidellm_row(command: str, url: str, model_dir: str, out_dir: Path) -> Table
                     note=f"guidellm: exit {done.returncode}; {summary}", passed=done.returncode == 0, metrics=figures)
 
 
-def server_options(max_batch: int, max_seq_len: int, settings: dict) -> list[str]:
-    """``autodeploy serve`` flags: random weights, a batch of ``max_batch`` requests of ``max_seq_len`` tokens."""
+def server_options(max_batch: int, max_seq_len: int, settings: dict, overrides=()) -> list[str]:
+    """``autodeploy serve`` flags: random weights, a batch of ``max_batch`` requests of ``max_seq_len`` tokens;
+    ``overrides`` are the decode section's ``--set`` strings, passed on."""
     flags = ["--weights", "random", "--max_batch_size", str(max_batch), "--max_seq_len", str(max_seq_len + 64)]
-    return flags + [flag for key, value in settings.items() for flag in ("--set", f"{key}={value}")]
+    settings = [f"{key}={value}" for key, value in settings.items()] + list(overrides)
+    return flags + [flag for item in settings for flag in ("--set", item)]
 
 
 @contextmanager
