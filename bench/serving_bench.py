@@ -58,8 +58,8 @@ class Plan:
     @classmethod
     def from_args(cls, args) -> Plan:
         lens = [tuple(int(n) for n in option.split("/")) for option in (args.serving_len, args.long_len)]
-        return cls([int(c) for c in args.concurrency.split(",")], *lens, 2 if args.serving_quick else 4,
-                   not args.serving_quick)
+        per_slot = args.per_slot or (2 if args.serving_quick else 4)
+        return cls([int(c) for c in args.concurrency.split(",")], *lens, per_slot, not args.serving_quick)
 
 
 @dataclass
@@ -79,6 +79,9 @@ def add_options(group) -> None:
     group.add_argument("--serving-len", default="128/128", help="input/output tokens per request")
     group.add_argument("--long-len", default="1000/200", help="input/output tokens of the long-prompt mix")
     group.add_argument("--serving-quick", action="store_true", help="no fresh-server pair, half the requests")
+    group.add_argument("--per-slot", type=int, default=0,
+                       help="requests per unit of concurrency (default 4, 2 with --serving-quick): e.g. 8 for 512 "
+                            "requests at c64, where the prompts' share of the work nears its steady state")
     group.add_argument("--guidellm", default=None, metavar="COMMAND",
                        help="a shell command run against the history server after its runs ({url}, {model_dir}, "
                             "{out} filled in); its last output line, if JSON with output_tok_s, ttft_p99_ms, "

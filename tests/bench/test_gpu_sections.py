@@ -77,7 +77,7 @@ def test_serving_section_measures_a_real_server(tmp_path):
 
     model_dir = str(make_tiny_checkpoint("llama", tmp_path / "m", vocab_size=2048))
     serving_bench.save_tokenizer(model_dir)
-    args = argparse.Namespace(concurrency="1,2", serving_len="8/4", long_len="40/4", serving_quick=True)
+    args = argparse.Namespace(concurrency="1,2", serving_len="8/4", long_len="40/4", serving_quick=True, per_slot=0)
     plan = serving_bench.Plan.from_args(args)
     assert plan == serving_bench.Plan([1, 2], (8, 4), (40, 4), per_slot=2, fresh_server=False)
     options = serving_bench.server_options(2, 44, {"dtype": "float32"}) + ["--device", "cpu"]
