@@ -35,7 +35,6 @@ on e4m3 operands) spends ~1.0 per weight byte.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from enum import IntEnum
@@ -167,15 +166,9 @@ def _quant_gemv_kernel(
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
-    FOLD: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
+    FOLD: tl.constexpr = 1,
 ):
     tl.static_assert(FOLD == 1 or (BLOCK_M == 1 and FORMAT == FP8), "FOLD: FP8 at one row")
-    if PERSISTENT:
-        _persistent_gemv(x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, M, N, K, row_bytes,
-                         stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows,
-                         scale_cols, out_factor, FORMAT, BLOCK_SCALED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_B,
-                         PDL, TRIGGER, E2M1_PTX, FOLD)
-        return
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -212,59 +205,11 @@ def _quant_gemv_kernel(
                     out_factor, BLOCK_M, BLOCK_SCALED, HAS_BIAS)
 
 
-@triton.jit
-def _persistent_gemv(x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, M, N, K, row_bytes, stride_xm,
-                     stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor,
-                     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
-                     TRIGGER: tl.constexpr, E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
-    """The launch's programs take the groups of ``BLOCK_N`` features in turn (program p: groups p, p + P,
-    ...), their tiles in one loop: the next tile, of this group or of the next, is in flight while the
-    current one computes and while a finished group is reduced and stored (a program per group pays its
-    ramp and its reduction with nothing in flight)."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    lanes = tl.arange(0, BLOCK_B)
-    tiles = tl.cdiv(row_bytes, BLOCK_B)
-    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * tiles  # this program's tiles, all its groups
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_next = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + lanes[None, :],
-                     mask=(cols < N)[:, None] & (lanes < row_bytes)[None, :], other=0)
-    if TRIGGER == START:
-        pdl.allow_dependents(PDL)
-    pdl.wait(PDL)
-    if TRIGGER == AFTER_WAIT:
-        pdl.allow_dependents(PDL)
-    lanes_acc: tl.constexpr = BLOCK_B // FOLD if FORMAT == FP8 else BLOCK_B // 8
-    acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
-    for i in range(0, total):
-        group, tile = pid + (i // tiles) * programs, i % tiles
-        cols = group * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w = w_next
-        ahead = pid + ((i + 1) // tiles) * programs  # the next tile's group (past the last: masked)
-        ahead_cols, bs = ahead * BLOCK_N + tl.arange(0, BLOCK_N), ((i + 1) % tiles) * BLOCK_B + lanes
-        w_next = tl.load(w_ptr + ahead_cols.to(tl.int64)[:, None] * stride_wn + bs[None, :],
-                         mask=(ahead_cols < N)[:, None] & (bs < row_bytes)[None, :] & (i + 1 < total), other=0)
-        acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, tile * BLOCK_B, K, stride_xm,
-                             stride_sn, stride_sk, (group * BLOCK_N) // scale_rows, scale_cols, FORMAT,
-                             BLOCK_SCALED, BLOCK_M, BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
-        if tile == tiles - 1:
-            _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, stride_om,
-                            stride_os, out_factor, BLOCK_M, BLOCK_SCALED, HAS_BIAS)
-            acc = tl.zeros_like(acc)
-    if TRIGGER == AFTER_LOOP:
-        pdl.allow_dependents(PDL)
-
-
 @dataclass(frozen=True)
 class QuantGemvLaunch:
     """Tile sizes of one launch: ``block_n`` features x ``block_b`` weight bytes per row (shapes only);
     ``fold`` (FP8, one row): that many adjacent products summed in the thread before the accumulator,
-    which then holds ``block_b / fold`` lanes per feature: fewer registers per weight byte in flight;
-    ``programs_per_sm`` > 0: that many programs per SM take the feature groups in turn (persistent),
-    else one program per group."""
+    which then holds ``block_b / fold`` lanes per feature: fewer registers per weight byte in flight."""
 
     block_n: int
     block_b: int
@@ -272,24 +217,26 @@ class QuantGemvLaunch:
     trigger: Trigger = Trigger.AFTER_WAIT  # as the bf16 GEMV (gemv.GemvLaunch)
     preload: bool = True
     fold: int = 1
-    programs_per_sm: int = 0
 
     @classmethod
     def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1,
                block_rows: int | None = None) -> "QuantGemvLaunch":
-        """One row: FP8 4 features x 1024 bytes (the bf16 GEMV's accumulator of 4 x 1024 lanes),
-        NVFP4 4 x 512 bytes (as many elements); up to four rows: 16 x 128 bytes. ``block_rows``: the
-        weight rows of one FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
-        ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold[,programs_per_sm]"``) replaces FP8's
-        one-row tile: a measurement knob (``bench/probes/quant_kernels.py --sweep`` finds candidates)."""
+        """One row: FP8 4 features x 1024 bytes, 4 products folded (the accumulator of 4 x 256 lanes: 58
+        registers, 8 programs per SM; the fold of 1 took 80 and 6, and an 8B layer's linears 7% longer on an
+        H100), NVFP4 4 x 512 bytes; up to four rows: 16 x 128 bytes. ``block_rows``: the weight rows of one
+        FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
+        ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile: a
+        measurement knob (``bench/probes/quant_kernels.py --sweep`` times candidates)."""
         if rows == 1 and fmt == WeightFormat.FP8 and FP8_GEMV_TILE is not None and block_rows is None:
-            block_n, block_b, warps, fold, per_sm = FP8_GEMV_TILE
+            block_n, block_b, warps, fold = FP8_GEMV_TILE
             block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))
-            return cls(block_n, block_b, warps, fold=min(fold, block_b), programs_per_sm=per_sm)
+            return cls(block_n, block_b, warps, fold=min(fold, block_b))
         block_n, block_b = (16, 128) if rows > 1 else (4, 1024 if fmt == WeightFormat.FP8 else 512)
         if block_rows is not None:
             block_n = min(block_n, block_rows & -block_rows)  # the largest power of two dividing it
-        return cls(block_n, min(block_b, max(16, triton.next_power_of_2(row_bytes))))
+        block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))
+        fold = min(4, block_b) if rows == 1 and fmt == WeightFormat.FP8 else 1
+        return cls(block_n, block_b, fold=fold)
 
     def check(self, rows: int, what: str) -> None:
         if self.fold & (self.fold - 1) or self.block_b % self.fold:
@@ -298,18 +245,15 @@ class QuantGemvLaunch:
             raise ValueError(f"{what}: fold {self.fold} is for one row, got {rows}")
 
 
-def _tile_from_env(value: str | None) -> tuple[int, int, int, int, int] | None:
-    """``AUTODEPLOY_FP8_GEMV_TILE``'s four or five integers, or None where unset."""
+def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
+    """``AUTODEPLOY_FP8_GEMV_TILE``'s four integers, or None where unset."""
     if not value:
         return None
     try:
-        numbers = [int(v) for v in value.split(",")]
+        block_n, block_b, warps, fold = (int(v) for v in value.split(","))
     except ValueError:
-        numbers = []
-    if len(numbers) not in (4, 5):
-        raise ValueError(f"AUTODEPLOY_FP8_GEMV_TILE={value!r}: expected block_n,block_b,num_warps,fold"
-                         "[,programs_per_sm]")
-    return tuple(numbers + [0] * (5 - len(numbers)))
+        raise ValueError(f"AUTODEPLOY_FP8_GEMV_TILE={value!r}: expected block_n,block_b,num_warps,fold") from None
+    return block_n, block_b, warps, fold
 
 
 FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
@@ -396,12 +340,6 @@ def e2m1_ptx(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The SMs a persistent launch fills (two on the CPU: the interpreter's programs then take several groups)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
     """x as [M, K] rows with unit column stride, after the checks every GEMV shares."""
     ref.check_activations(x, k, what)
@@ -416,17 +354,14 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_b
             launch: QuantGemvLaunch) -> torch.Tensor:
     m, n = rows.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    groups = triton.cdiv(n, launch.block_n)
-    programs = min(groups, launch.programs_per_sm * _sm_count(x.device)) if launch.programs_per_sm else groups
     if m and n:
-        _quant_gemv_kernel[(programs,)](
+        _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
             rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
             m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0),
             *scales.kernel_args(),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
             TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device), FOLD=launch.fold,
-            PERSISTENT=launch.programs_per_sm > 0,
             num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )

@@ -49,15 +49,14 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYERS = 32  # Llama-3.1-8B
 CHECK_ROWS = 256
 TOLERANCE = 1e-2
-# --sweep: GEMV (features, bytes, warps[, FP8's fold, programs per SM]), tensor-core GEMM at 16 rows (features,
-# K tile, stages). FP8's candidates hold more weight bytes in flight per SM than the default 4/1024/4/1 (80
-# registers, 6 programs of 2 x 4 KB tiles: 48 KB; the bf16 GEMV 112 KB), or (programs per SM > 0, persistent)
-# keep the next tile in flight across feature groups; programs per SM as many as the registers allow (sm_90
-# registers from tests/kernels/compile_sm90.py's compiler)
-FP8_GEMV_SWEEP = [(4, 1024, 4, 1, 0), (4, 1024, 4, 4, 0), (2, 2048, 4, 8, 0), (1, 2048, 4, 16, 0),
-                  (1, 4096, 4, 16, 0), (1, 4096, 2, 16, 0), (1, 8192, 4, 32, 0), (4, 2048, 8, 8, 0),
-                  (2, 1024, 2, 4, 0), (4, 1024, 4, 1, 5), (4, 1024, 4, 4, 7), (2, 2048, 4, 8, 8),
-                  (1, 4096, 4, 16, 8), (1, 2048, 4, 16, 12)]
+# --sweep: GEMV (features, bytes, warps[, FP8's fold]), tensor-core GEMM at 16 rows (features, K tile, stages).
+# FP8's candidates hold more weight bytes in flight per SM than the old default 4/1024/4/1 (80 registers, 6
+# programs of 2 x 4 KB tiles), by folding products into fewer accumulator lanes or by fewer features per
+# program (sm_90 registers: tests/kernels/compile_sm90.py). On an H100 (2026-12-07) 4/1024/4/4 (58 registers)
+# won: an 8B layer's one-row linears 101.5 -> 94.4 us; persistent programs taking feature groups in turn
+# were slower everywhere (113-123 us)
+FP8_GEMV_SWEEP = [(4, 1024, 4, 1), (4, 1024, 4, 4), (2, 2048, 4, 8), (1, 2048, 4, 16), (1, 4096, 4, 16),
+                  (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4)]
 GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
 TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
 
@@ -293,8 +292,8 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
     from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
 
-    def fp8_launch(block_n, block_b, warps, fold, per_sm):
-        return QuantGemvLaunch(block_n, block_b, warps, fold=fold, programs_per_sm=per_sm)
+    def fp8_launch(block_n, block_b, warps, fold):
+        return QuantGemvLaunch(block_n, block_b, warps, fold=fold)
 
     kernels = {"fp8_gemv channel": (fp8_gemv, FP8_GEMV_SWEEP, fp8_launch),
                "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),

@@ -250,7 +250,7 @@ def _quant_variants():
                     "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
         const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
                      BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
-                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold, PERSISTENT=launch.programs_per_sm > 0)
+                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold)
         name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 

@@ -17,9 +17,7 @@ DTYPES = [torch.float32, torch.float16]
 SMALL = QuantGemvLaunch(block_n=8, block_b=32)
 UNLOADED = QuantGemvLaunch(block_n=8, block_b=32, trigger=Trigger.START, preload=False)
 FOLDED = QuantGemvLaunch(block_n=2, block_b=64, fold=16)  # FP8 at one row: 16 products summed per lane first
-# programs taking several feature groups in turn (two "SMs" on the CPU: 4 programs for 5 groups of 8)
-PERSISTENT = QuantGemvLaunch(block_n=8, block_b=32, programs_per_sm=2)
-LAUNCHES = pytest.mark.parametrize("launch", [SMALL, UNLOADED, PERSISTENT], ids=["preload", "no-preload", "persistent"])
+LAUNCHES = pytest.mark.parametrize("launch", [SMALL, UNLOADED], ids=["preload", "no-preload"])
 
 
 def rel_err(got, want):
@@ -69,10 +67,8 @@ def test_every_e4m3_code_dequantizes_exactly():
 
 
 @pytest.mark.parametrize("kind,launch",
-                         [("tensor", SMALL), ("channel", SMALL), ("block", SMALL), ("block", UNLOADED),
-                          ("channel", PERSISTENT), ("block", PERSISTENT)],
-                         ids=["tensor", "channel", "block", "block-no-preload", "channel-persistent",
-                              "block-persistent"])
+                         [("tensor", SMALL), ("channel", SMALL), ("block", SMALL), ("block", UNLOADED)],
+                         ids=["tensor", "channel", "block", "block-no-preload"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])  # 3: rows padded to 4
 def test_fp8_gemv_matches_the_reference(kind, dtype, m, launch):
@@ -84,16 +80,14 @@ def test_fp8_gemv_matches_the_reference(kind, dtype, m, launch):
                                 lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
 
 
-@pytest.mark.parametrize("persistent", [0, 3], ids=["one-group", "persistent"])
 @pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_gemv_with_folded_lanes_matches_the_reference(kind, dtype, persistent):
+def test_fp8_gemv_with_folded_lanes_matches_the_reference(kind, dtype):
     n, k = 40, 200  # rows of 200 bytes: three whole tiles of 64 and a ragged one, two features per program
     weight = fp8_weight(n, k)
     scale, block = fp8_scale(kind, n, k, block=(2, 32))
     x = torch.randn(1, k).to(dtype)
-    launch = QuantGemvLaunch(block_n=2, block_b=64, fold=16, programs_per_sm=persistent)
-    check_with_and_without_bias(lambda b: fp8_gemv(x, weight, scale, block, b, launch=launch),
+    check_with_and_without_bias(lambda b: fp8_gemv(x, weight, scale, block, b, launch=FOLDED),
                                 lambda b: ref.fp8_weight_only_reference(x, weight, scale, block, b), x, n)
 
 
@@ -105,9 +99,7 @@ def test_a_tile_from_the_environment_replaces_fp8s_one_row_tile(monkeypatch):
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(1, 64, 4, fold=16)  # a short row
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)  # one row only
     assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
-    monkeypatch.setattr(quant_gemv, "FP8_GEMV_TILE", quant_gemv._tile_from_env("2,2048,4,8,6"))
-    assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(2, 2048, 4, fold=8, programs_per_sm=6)
-    for bad in ("4,1024", "4,1024,4,1,6,7", "a,b,c,d"):
+    for bad in ("4,1024", "4,1024,4,1,6", "a,b,c,d"):
         with pytest.raises(ValueError, match="expected block_n,block_b,num_warps,fold"):
             quant_gemv._tile_from_env(bad)
 
@@ -157,10 +149,10 @@ def test_leading_dimensions_strided_rows_and_no_rows():
 
 
 def test_default_launches_fit_the_shapes():
-    assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(4, 1024)
+    assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(4, 1024, fold=4)
     assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)
-    assert QuantGemvLaunch.choose(WeightFormat.FP8, 40).block_b == 64  # a short row: one tile
+    assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(4, 64, fold=4)  # a short row: one tile
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4, block_rows=12).block_n == 4  # divides 12
 
 
