@@ -1,6 +1,7 @@
 """The serving section: ``autodeploy serve`` (the model shape with random weights, a BPE tokenizer trained here so
 that text prompts work, ``--max_batch_size`` the largest concurrency, a timeline of both processes in ``$OUT``)
-under ``autodeploy bench serve``'s client, issue 36's measurement and its done-when checks:
+under ``autodeploy bench serve``'s client (a process per 16 requests in flight: ``serve/bench_clients.py``), issue
+36's measurement and its done-when checks:
 
 - a fresh server: two runs at the largest concurrency (the first after start-up against the second); left out
   with ``--serving-quick``;
@@ -33,6 +34,7 @@ from decode_bench import bench_autodeploy, bench_engine, compile_autodeploy, fre
 from table import TableRow
 
 POISSON_SHARE = 0.8  # of the measured capacity (request rate at the largest concurrency)
+STREAMS_PER_CLIENT = 16  # requests in flight per client process: one process streaming 64 delayed its own reads
 KV_BLOCKS = 8192  # the server's --num_kv_blocks
 # issue 36's done-when
 THROUGHPUT_SHARE = 0.85  # of the engine's own decode at the largest batch
@@ -150,10 +152,12 @@ class Loads:
         input_len, output_len = lens or self.plan.lens
         self.seed += 1
         before = compiles_after_ready(url)
+        in_flight = concurrency or self.plan.top  # (Poisson: up to the largest concurrency's)
         result = asyncio.run(run_benchmark(url, input_len=input_len, output_len=output_len,
                                            num_requests=num or self.plan.per_slot * concurrency,
                                            concurrency=concurrency, request_rate=rate, vocab_size=self.vocab,
-                                           seed=self.seed, tokenizer=self.tokenizer if text else None))
+                                           seed=self.seed, tokenizer=self.tokenizer if text else None,
+                                           processes=-(-in_flight // STREAMS_PER_CLIENT)))
         print(f"{server} server, {name}:\n{result.summary()}", flush=True)
         return Run(server, name, concurrency, result, compiles_after_ready(url) - before, text,
                    input_len + output_len // 2)

@@ -7,7 +7,7 @@ side), or with ``--tokenizer`` text of about that many tokens (random ids decode
 cut back: the server tokenizes and detokenizes, as it does for real clients; the mean prompt length
 the server counted is reported). Every request asks for exactly ``--output_len`` tokens
 (``ignore_eos``), streamed. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and
-throughput.
+throughput. ``--processes N`` spreads the client over N processes (``bench_clients``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def text_prompt(tokenizer: Any, rng: random.Random, length: int) -> str:
     return tokenizer.decode(ids)
 
 
+def _share(total: int | None, count: int, index: int) -> int | None:
+    """Shard ``index``'s part of ``total`` requests in flight split ``count`` ways (None: unbounded)."""
+    return None if total is None else total // count + (index < total % count)
+
+
 async def send_one(client, url: str, payload: dict[str, Any], headers: dict[str, str]) -> RequestRecord:
     record = RequestRecord(start=time.perf_counter())
     try:
@@ -115,34 +120,74 @@ async def run_benchmark(base_url: str, *, model: str | None = None, endpoint: st
                         input_len: int = 128, output_len: int = 128, num_requests: int = 64,
                         concurrency: int | None = None, request_rate: float | None = None,
                         api_key: str | None = None, vocab_size: int = 32000, seed: int = 0,
-                        timeout: float = 600.0, tokenizer: Any = None) -> ServingResult:
+                        timeout: float = 600.0, tokenizer: Any = None, processes: int = 1) -> ServingResult:
     """Run the benchmark against ``base_url`` (e.g. ``http://127.0.0.1:8000``); with ``tokenizer``, text
-    prompts (:func:`text_prompt`)."""
-    import httpx
-
+    prompts (:func:`text_prompt`). ``processes`` > 1 splits the requests, the concurrency and the arrival
+    rate among that many client processes (``bench_clients.run_shards``)."""
     rng = random.Random(seed)
     url = f"{base_url.rstrip('/')}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     prompts = [text_prompt(tokenizer, rng, input_len) if tokenizer is not None
                else [rng.randrange(3, vocab_size) for _ in range(input_len)] for _ in range(num_requests)]
-    payloads = [make_payload(endpoint, model, prompt, output_len) for prompt in prompts]
-    limit = asyncio.Semaphore(concurrency or num_requests)
-    limits = httpx.Limits(max_connections=concurrency or num_requests, max_keepalive_connections=concurrency or 64)
+    shard = Shard(url, headers, [make_payload(endpoint, model, prompt, output_len) for prompt in prompts],
+                  concurrency, request_rate, seed, timeout)
+    if processes > 1:
+        from .bench_clients import run_shards
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def bounded(payload: dict[str, Any]) -> RequestRecord:
-            async with limit:
-                return await send_one(client, url, payload, headers)
+        parts = await asyncio.get_running_loop().run_in_executor(None, run_shards, shard.split(processes))
+    else:
+        parts = [await shard.send_all()]
+    records = [record for part in parts for record in part.records]
+    return summarize(records, max(p.end for p in parts) - min(p.begin for p in parts))
 
-        begin = time.perf_counter()
-        tasks = []
-        for payload in payloads:
-            tasks.append(asyncio.create_task(bounded(payload)))
-            if request_rate:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        records = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - begin
-    return summarize(records, seconds)
+
+@dataclass(frozen=True)
+class ShardResult:
+    records: list[RequestRecord]
+    begin: float  # time.perf_counter() (CLOCK_MONOTONIC: comparable across processes on one host)
+    end: float
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The requests one client process sends: ``payloads`` with ``concurrency`` in flight, or arriving as a
+    Poisson process at ``request_rate`` per second."""
+
+    url: str
+    headers: dict[str, str]
+    payloads: list[dict[str, Any]]
+    concurrency: int | None
+    request_rate: float | None
+    seed: int
+    timeout: float
+
+    def split(self, count: int) -> list[Shard]:
+        """``count`` shards (at most one per request in flight): every count-th payload each, the concurrency
+        and the rate divided (independent Poisson processes at rate / count add up to one at the rate)."""
+        count = max(1, min(count, len(self.payloads), self.concurrency or count))
+        return [Shard(self.url, self.headers, self.payloads[i::count], _share(self.concurrency, count, i),
+                      self.request_rate and self.request_rate / count, self.seed + i, self.timeout)
+                for i in range(count)]
+
+    async def send_all(self) -> ShardResult:
+        import httpx
+
+        in_flight = self.concurrency or len(self.payloads)
+        limit = asyncio.Semaphore(in_flight)
+        limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+        rng = random.Random(self.seed)
+        async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as client:
+            async def bounded(payload: dict[str, Any]) -> RequestRecord:
+                async with limit:
+                    return await send_one(client, self.url, payload, self.headers)
+
+            begin, tasks = time.perf_counter(), []
+            for payload in self.payloads:
+                tasks.append(asyncio.create_task(bounded(payload)))
+                if self.request_rate:
+                    await asyncio.sleep(rng.expovariate(self.request_rate))
+            records = await asyncio.gather(*tasks)
+        return ShardResult(list(records), begin, time.perf_counter())
 
 
 def summarize(records: list[RequestRecord], seconds: float) -> ServingResult:
@@ -181,6 +226,9 @@ def add_serving_parser(subparsers: Any) -> None:
          "directory); default: token-id prompts")
     flag(p, "api_key", default=None, help="API key of the server")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--processes", type=int, default=1,
+                   help="client processes sharing the requests, the concurrency and the rate (default 1; one "
+                        "process streaming thousands of chunks a second delays its own reads: TTFT tails)")
     flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--log_level", default="warning", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serving)
@@ -193,7 +241,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
         args.base_url, model=args.model, endpoint=args.endpoint, input_len=args.input_len,
         output_len=args.output_len, num_requests=args.num_requests, concurrency=args.concurrency,
         request_rate=args.request_rate, api_key=args.api_key, vocab_size=args.vocab_size, seed=args.seed,
-        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
+        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None, processes=args.processes,
     ))
     print(result.summary())
     if args.output_json:

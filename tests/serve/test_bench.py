@@ -8,7 +8,7 @@ import pytest
 
 from autodeploy.cli import main
 from autodeploy.serve.bench import engine_decode_step_ms, run_offline
-from autodeploy.serve.bench_serving import run_benchmark
+from autodeploy.serve.bench_serving import Shard, run_benchmark
 from autodeploy.serve.bench_stats import percentile
 
 
@@ -115,6 +115,25 @@ def test_serving_benchmark(live, compiled, endpoint, mode):
     assert result.ttft.p50_ms <= result.e2e.p50_ms
 
 
+def test_serving_benchmark_in_several_client_processes(live, compiled):
+    result = asyncio.run(run_benchmark(live.url, input_len=8, output_len=4, num_requests=7, concurrency=3,
+                                       vocab_size=compiled.vocab_size, processes=2))
+    assert (result.completed, result.failed) == (7, 0), result.first_error
+    assert result.ttft.count == 7 and result.itl.count == 7 * 3
+    # first send to last end: never longer than every request one after another (the processes take seconds to start)
+    assert 0 < result.seconds <= result.e2e.mean_ms * result.e2e.count / 1e3 + 0.05
+
+
+def test_shards_share_requests_concurrency_and_rate():
+    shard = Shard("u", {}, [{"n": i} for i in range(10)], 5, None, 7, 60.0)
+    parts = shard.split(3)
+    assert [p.concurrency for p in parts] == [2, 2, 1] and [p.seed for p in parts] == [7, 8, 9]
+    assert sorted(x["n"] for p in parts for x in p.payloads) == list(range(10))
+    assert len(shard.split(8)) == 5  # never more processes than requests in flight
+    poisson = Shard("u", {}, [{}] * 4, None, 8.0, 0, 60.0).split(4)
+    assert [p.request_rate for p in poisson] == [2.0] * 4 and all(p.concurrency is None for p in poisson)
+
+
 def test_serving_benchmark_command(live, compiled, capsys):
     assert main(["bench", "serve", "--base_url", live.url, "--input_len", "4", "--output_len", "2",
                  "--num_requests", "3", "--max-concurrency", "2", "--vocab_size", str(compiled.vocab_size)]) == 0
@@ -129,3 +148,14 @@ def test_serving_benchmark_with_text_prompts_of_about_the_input_length(live, tin
     assert "completed 4, failed 0" in out
     prompt_tokens = int(re.search(r"(\d+) prompt tokens per request", out).group(1))
     assert 36 <= prompt_tokens <= 41  # the server tokenized the text back to about --input_len tokens (+ BOS)
+
+
+def test_a_client_process_that_died_is_an_error_not_a_wait():
+    import queue
+    from types import SimpleNamespace
+
+    from autodeploy.serve.bench_clients import _receive
+
+    workers = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)]
+    with pytest.raises(RuntimeError, match=r"process\(es\) \[1\] stopped"):
+        _receive(queue.Queue(), 2, workers, timeout=60.0)
