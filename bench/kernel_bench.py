@@ -113,13 +113,16 @@ class PagedBatch:
             self.slots, D ** -0.5, **features)
 
 
-def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None) -> tuple[tuple[torch.Tensor, ...], int]:
+def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None,
+                   shuffled: bool = True) -> tuple[tuple[torch.Tensor, ...], int]:
     """Batch metadata (query_lens, context_lens, cu_seqlens, block_table, slot_mapping) of sequences of
-    (context_len, query_len) on shuffled pages of ``PAGE`` tokens (``pad_tokens`` padding tokens last), and the
-    number of pages a pool needs for them (one spare)."""
+    (context_len, query_len) on shuffled pages of ``PAGE`` tokens (``shuffled=False``: each sequence's pages
+    consecutive, as a fresh pool hands them out) (``pad_tokens`` padding tokens last), and the number of pages a
+    pool needs for them (one spare)."""
     device = DEV if device is None else device
     pages = [-(-(c + n) // PAGE) for c, n in seqs]
-    order = torch.randperm(sum(pages) + 1, device=device)
+    count = sum(pages) + 1
+    order = torch.randperm(count, device=device) if shuffled else torch.arange(1, count + 1, device=device) % count
     table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=device)
     slots, used = [], 0
     for b, ((ctx, n), count) in enumerate(zip(seqs, pages)):
@@ -135,11 +138,11 @@ def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None) -> tu
 
 
 def paged_batch(seqs: list[tuple[int, int]], heads=HQ, kv_heads=HKV, head_dim=D, pad_tokens=0,
-                head_major: bool = False, device=DEV, dtype=BF16) -> PagedBatch:
+                head_major: bool = False, device=DEV, dtype=BF16, shuffled: bool = True) -> PagedBatch:
     """Sequences of (context_len, query_len) on shuffled pages of a random bf16 cache. ``head_major``: the
     cache is stored [pages, 2, kv_heads, PAGE, head_dim] (each head's page contiguous, "HND") and passed as
     a view of the pool's logical [pages, 2, PAGE, kv_heads, head_dim] shape (the kernel reads strides)."""
-    meta, pages = paged_metadata(seqs, pad_tokens, device)
+    meta, pages = paged_metadata(seqs, pad_tokens, device, shuffled)
     tokens = meta[-1].shape[0]
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
     pool_shape = (pages, 2, kv_heads, PAGE, head_dim) if head_major else (pages, 2, PAGE, kv_heads, head_dim)
