@@ -24,9 +24,10 @@ sized in bytes, and each program loads its next weight tile before the products 
   be a second implementation behind ``nvfp4_gemv`` / ``nvfp4_gemm``, chosen by device.
 
 SASS of sm_90 (``bench/probes/fp8_small_m.py --sass``: the main loop's instructions per weight byte, per
-thread; no GPU needed): the FP8 GEMV's loop spends ~6.7 instructions per weight byte at one row, the
+thread; no GPU needed): the FP8 GEMV's loop spends ~7 instructions per weight byte at one row, the
 weight tile passing through shared memory to meet the bf16 activations' register layout, ~12 at four
-rows; the weight-only tensor-core GEMM ~5.8 per FP8 weight with 16-row tiles (4.4 with 64), ~7.8 per
+rows. At one row its speed is bytes in flight, not issue: four adjacent products summed in the thread
+(``fold``) shrink the accumulator to 58 registers, 8 programs per SM instead of 6 (docs/perf.md); the weight-only tensor-core GEMM ~5.8 per FP8 weight with 16-row tiles (4.4 with 64), ~7.8 per
 NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
 instructions per FP8 byte (an H100's 3.0 TB/s ~11) and ~4 per NVFP4 element: the NVFP4 kernels are
 expected issue-bound. With the activations quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma
