@@ -34,7 +34,6 @@ from decode_bench import bench_autodeploy, bench_engine, compile_autodeploy, fre
 from table import TableRow
 
 POISSON_SHARE = 0.8  # of the measured capacity (request rate at the largest concurrency)
-STREAMS_PER_CLIENT = 16  # requests in flight per client process: one process streaming 64 delayed its own reads
 KV_BLOCKS = 8192  # the server's --num_kv_blocks
 # issue 36's done-when
 THROUGHPUT_SHARE = 0.85  # of the engine's own decode at the largest batch
@@ -147,7 +146,7 @@ class Loads:
 
     def run(self, url: str, server: str, name: str, concurrency: int | None, rate: float | None = None,
             text: bool = False, num: int | None = None, lens: tuple[int, int] | None = None) -> Run:
-        from autodeploy.serve.bench_serving import run_benchmark
+        from autodeploy.serve.bench_serving import default_processes, run_benchmark
 
         input_len, output_len = lens or self.plan.lens
         self.seed += 1
@@ -157,7 +156,7 @@ class Loads:
                                            num_requests=num or self.plan.per_slot * concurrency,
                                            concurrency=concurrency, request_rate=rate, vocab_size=self.vocab,
                                            seed=self.seed, tokenizer=self.tokenizer if text else None,
-                                           processes=-(-in_flight // STREAMS_PER_CLIENT)))
+                                           processes=default_processes(in_flight)))
         print(f"{server} server, {name}:\n{result.summary()}", flush=True)
         return Run(server, name, concurrency, result, compiles_after_ready(url) - before, text,
                    input_len + output_len // 2)

@@ -83,6 +83,15 @@ def text_prompt(tokenizer: Any, rng: random.Random, length: int) -> str:
     return tokenizer.decode(ids)
 
 
+STREAMS_PER_PROCESS = 16  # requests in flight one client process keeps without delaying its own reads (H100 8B: 64
+# streams in one process doubled the TTFT p99 the server saw; 16 in each of four matched it: docs/perf.md)
+
+
+def default_processes(concurrency: int | None) -> int:
+    """Client processes for ``concurrency`` requests in flight (a Poisson run: one)."""
+    return -(-concurrency // STREAMS_PER_PROCESS) if concurrency else 1
+
+
 def _share(total: int | None, count: int, index: int) -> int | None:
     """Shard ``index``'s part of ``total`` requests in flight split ``count`` ways (None: unbounded)."""
     return None if total is None else total // count + (index < total % count)
@@ -226,9 +235,10 @@ def add_serving_parser(subparsers: Any) -> None:
          "directory); default: token-id prompts")
     flag(p, "api_key", default=None, help="API key of the server")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--processes", type=int, default=1,
-                   help="client processes sharing the requests, the concurrency and the rate (default 1; one "
-                        "process streaming thousands of chunks a second delays its own reads: TTFT tails)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="client processes sharing the requests, the concurrency and the rate (default: one per "
+                        f"{STREAMS_PER_PROCESS} requests in flight with --concurrency, else 1; one process streaming "
+                        "thousands of chunks a second delays its own reads and reports a TTFT tail of its own)")
     flag(p, "output_json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--log_level", default="warning", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serving)
@@ -241,7 +251,8 @@ def cmd_serving(args: argparse.Namespace) -> int:
         args.base_url, model=args.model, endpoint=args.endpoint, input_len=args.input_len,
         output_len=args.output_len, num_requests=args.num_requests, concurrency=args.concurrency,
         request_rate=args.request_rate, api_key=args.api_key, vocab_size=args.vocab_size, seed=args.seed,
-        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None, processes=args.processes,
+        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
+        processes=args.processes or default_processes(args.concurrency),
     ))
     print(result.summary())
     if args.output_json:

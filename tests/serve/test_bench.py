@@ -8,7 +8,7 @@ import pytest
 
 from autodeploy.cli import main
 from autodeploy.serve.bench import engine_decode_step_ms, run_offline
-from autodeploy.serve.bench_serving import Shard, run_benchmark
+from autodeploy.serve.bench_serving import Shard, default_processes, run_benchmark
 from autodeploy.serve.bench_stats import percentile
 
 
@@ -130,6 +130,7 @@ def test_shards_share_requests_concurrency_and_rate():
     assert [p.concurrency for p in parts] == [2, 2, 1] and [p.seed for p in parts] == [7, 8, 9]
     assert sorted(x["n"] for p in parts for x in p.payloads) == list(range(10))
     assert len(shard.split(8)) == 5  # never more processes than requests in flight
+    assert [default_processes(c) for c in (None, 1, 16, 17, 64)] == [1, 1, 1, 2, 4]
     poisson = Shard("u", {}, [{}] * 4, None, 8.0, 0, 60.0).split(4)
     assert [p.request_rate for p in poisson] == [2.0] * 4 and all(p.concurrency is None for p in poisson)
 
