@@ -11,6 +11,7 @@ import torch
 
 from autodeploy.compiler import compile as compile_model
 from autodeploy.distributed import current, init_tensor_parallel
+from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.distributed_steps import StepPublisher, follow_steps
 from autodeploy.kvcache.allocator import BlockAllocator, blocks_needed
 from autodeploy.kvcache.metadata import SequenceChunk
@@ -42,6 +43,13 @@ def greedy_run(model, prompt_ids: list[list[int]], steps: int, chunk_size: int =
                 generated[i] += 1
         rows.append(logits.numpy().copy())
     return rows, tokens
+
+
+def run_tp(world: int, runs: dict[str, tuple[str, dict]], steps: int | dict[str, int]) -> list:
+    """``tp_greedy`` on ``world`` ranks; every rank's result. The ranks fork from a server process that
+    imported this module once for all of a pytest worker's jobs (each spawned rank took ~7 s of CPU
+    importing torch, transformers and the compiler)."""
+    return run_on_ranks(world, tp_greedy, world, runs, steps, start_method="forkserver")
 
 
 def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], steps: int | dict[str, int]):
