@@ -4,7 +4,7 @@ tokens equal the single-process compiled model's, step by step (chunked prefills
 
 import pytest
 import torch
-from tp_programs import max_diff, reference, run_tp
+from tp_programs import max_diff, references, run_tp
 
 from autodeploy.distributed_steps import EAGER, WHOLE_STEP
 from autodeploy.tiny import make_tiny_checkpoint
@@ -13,9 +13,8 @@ STEPS = 16
 
 
 def _check(results: dict, runs: dict) -> None:
-    for name, (path, options) in runs.items():
+    for name, (want_rows, want_tokens) in references(runs, STEPS).items():
         rows, tokens = results[name]
-        want_rows, want_tokens = reference(path, options, STEPS)
         assert tokens == want_tokens, name
         assert max_diff(rows, want_rows) < 1e-4, name
 

@@ -13,7 +13,7 @@ from autodeploy.passes.shard import context_before_shard, plan_for_checkpoint
 from autodeploy.passes.shard_plan import derive_plan
 from autodeploy.passes.shard_quantized import localize_written, written_params
 from safetensors.torch import load_file
-from tp_programs import max_diff, reference, run_tp
+from tp_programs import max_diff, references, run_tp
 
 from autodeploy.errors import AutoDeployError
 from autodeploy.quantization.source import AliasingSource
@@ -57,9 +57,8 @@ def test_quantized_formats_over_two_ranks_equal_one_process(tmp_path):
     exact, per_token = _exact_runs(tmp_path), _per_token_runs(tmp_path)
     steps = {**dict.fromkeys(exact, STEPS), **dict.fromkeys(per_token, 1)}
     results = run_tp(2, {**exact, **per_token}, steps)[0]
-    for name, (path, options) in {**exact, **per_token}.items():
+    for name, (want_rows, want_tokens) in references({**exact, **per_token}, steps).items():
         rows, tokens = results[name]
-        want_rows, want_tokens = reference(path, options, steps[name])
         scale = max(float(abs(r).max()) for r in want_rows)
         if name in exact:
             assert tokens == want_tokens, name

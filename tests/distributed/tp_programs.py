@@ -15,8 +15,23 @@ from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.distributed_steps import StepPublisher, follow_steps
 from autodeploy.kvcache.allocator import BlockAllocator, blocks_needed
 from autodeploy.kvcache.metadata import SequenceChunk
+from autodeploy.testing import reusing_exports
 
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 4, "max_num_tokens": 64}
+
+
+def _import_what_a_compile_imports() -> None:
+    """The modules a process's first export and pass pipeline import (1-2 s): imported with this module,
+    once in the fork server (``run_tp``) rather than in every rank forked from it."""
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch.export._trace  # noqa: F401
+
+    from autodeploy.pipeline import load_pipeline
+
+    load_pipeline()
+
+
+_import_what_a_compile_imports()
 PROMPT_LENS = (5, 19, 11)
 
 
@@ -58,16 +73,21 @@ def tp_greedy(rank: int, store, world: int, runs: dict[str, tuple[str, dict]], s
     run name). Rank 0 returns everything."""
     job = init_tensor_parallel(world, rank, store=store, device="cpu")
     out = {"collectives": collective_results(rank, world)}
-    for name, (path, options) in runs.items():
-        model = compile_model(path, tp_size=world, **OPTIONS, **options)
-        if job.is_driver:
-            model.publisher = StepPublisher(current())
-            out[name] = greedy_run(model, prompts(), steps[name] if isinstance(steps, dict) else steps)
-            out[f"{name}: steps by kind"] = dict(model.publisher.kinds)
-            model.publisher.stop()
-        else:
-            follow_steps(model, job)
+    with reusing_exports():  # (runs of one checkpoint differ after the export: sharding, weights, KV dtype)
+        for name, (path, options) in runs.items():
+            model = compile_model(path, tp_size=world, **OPTIONS, **options)
+            if job.is_driver:
+                model.publisher = StepPublisher(current())
+                out[name] = greedy_run(model, prompts(), _steps(steps, name))
+                out[f"{name}: steps by kind"] = dict(model.publisher.kinds)
+                model.publisher.stop()
+            else:
+                follow_steps(model, job)
     return out if job.is_driver else out["collectives"]
+
+
+def _steps(steps: int | dict[str, int], name: str) -> int:
+    return steps[name] if isinstance(steps, dict) else steps
 
 
 def collective_results(rank: int, world: int) -> dict[str, list]:
@@ -78,8 +98,11 @@ def collective_results(rank: int, world: int) -> dict[str, list]:
     return {"all_reduce": reduced.tolist(), "all_gather": gathered.tolist(), "input": x.tolist()}
 
 
-def reference(path: str, options: dict, steps: int):
-    return greedy_run(compile_model(path, **OPTIONS, **options), prompts(), steps)
+def references(runs: dict[str, tuple[str, dict]], steps: int | dict[str, int]) -> dict[str, tuple]:
+    """``greedy_run`` of each run's single-process compiled model, by run name."""
+    with reusing_exports():
+        return {name: greedy_run(compile_model(path, **OPTIONS, **options), prompts(), _steps(steps, name))
+                for name, (path, options) in runs.items()}
 
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
