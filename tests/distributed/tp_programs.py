@@ -18,6 +18,7 @@ from autodeploy.kvcache.metadata import SequenceChunk
 from autodeploy.testing import reusing_exports
 
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 4, "max_num_tokens": 64}
+PROMPT_LENS = (5, 19, 11)
 
 
 def _import_what_a_compile_imports() -> None:
@@ -32,7 +33,6 @@ def _import_what_a_compile_imports() -> None:
 
 
 _import_what_a_compile_imports()
-PROMPT_LENS = (5, 19, 11)
 
 
 def prompts(vocab_size: int = 128, lens=PROMPT_LENS) -> list[list[int]]:
