@@ -3,11 +3,15 @@
 ``check_rewrite`` exports a tiny eager module the way the compiler exports models, applies a rule
 (or any graph function, e.g. :func:`pass_runner` for a whole pass), and checks the exact match
 count, that the graph is still valid, and that the rewritten graph equals eager on the example
-inputs *and* on a second, differently shaped input.
+inputs *and* on a second, differently shaped input. ``reusing_exports`` lets a test compile one
+model several ways from one export.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,3 +92,26 @@ def pass_runner(name: str, *, artifacts: dict | None = None, **settings) -> Call
         return RuleResult(matches=record.matches)
 
     return run
+
+
+@contextlib.contextmanager
+def reusing_exports() -> Iterator[dict]:
+    """Inside, ``autodeploy.compile`` starts from a copy of the first export of each model (same class,
+    config and dtype) instead of exporting it again: for tests that compile one model with different
+    options (quantization, sharding, KV-cache dtype, weights), which all act after the export. Yields
+    the exports made (a test can check that one was reused). Not for tests that patch modeling code."""
+    from . import compiler
+
+    export, exported = compiler.export_model, {}
+
+    def export_once(model):
+        key = (type(model), model.config.to_json_string(), next(model.parameters()).dtype)
+        if key not in exported:
+            exported[key] = export(model)
+        return copy.deepcopy(exported[key])
+
+    compiler.export_model = export_once
+    try:
+        yield exported
+    finally:
+        compiler.export_model = export

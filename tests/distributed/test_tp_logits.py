@@ -4,9 +4,8 @@ tokens equal the single-process compiled model's, step by step (chunked prefills
 
 import pytest
 import torch
-from tp_programs import max_diff, reference, tp_greedy
+from tp_programs import max_diff, references, run_tp
 
-from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.distributed_steps import EAGER, WHOLE_STEP
 from autodeploy.tiny import make_tiny_checkpoint
 
@@ -14,9 +13,8 @@ STEPS = 16
 
 
 def _check(results: dict, runs: dict) -> None:
-    for name, (path, options) in runs.items():
+    for name, (want_rows, want_tokens) in references(runs, STEPS).items():
         rows, tokens = results[name]
-        want_rows, want_tokens = reference(path, options, STEPS)
         assert tokens == want_tokens, name
         assert max_diff(rows, want_rows) < 1e-4, name
 
@@ -31,7 +29,7 @@ def test_llama_over_two_ranks_equals_one_process(tmp_path):
     path = _checkpoints(tmp_path, "llama")["llama"]
     whole_steps = {"compile_cuda_graphs": {"mixed_graphs": True, "mixed_graphs_on_cpu": True, "piecewise_sizes": [8, 32]}}
     runs = {"llama": (path, {}), "llama fp8 kv": (path, {"kv_cache_dtype": "fp8", "passes": whole_steps})}
-    results, worker_collectives = run_on_ranks(2, tp_greedy, 2, runs, STEPS)
+    results, worker_collectives = run_tp(2, runs, STEPS)
     ranks = [results["collectives"], worker_collectives]
     inputs = [torch.tensor(r["input"]) for r in ranks]
     for r in ranks:
@@ -50,12 +48,12 @@ def test_qwen3_gpt_neox_moe_and_fused_checkpoints_over_two_ranks(tmp_path):
     runs = {name: (path, {}) for name, path in paths.items()}
     runs["qwen3_moe by expert"] = (paths["qwen3_moe"], {"passes": {"shard": {"moe": "expert"}}})
     runs["qwen3 random weights"] = (paths["qwen3"], {"weights": "random"})
-    results = run_on_ranks(2, tp_greedy, 2, runs, STEPS)[0]
+    results = run_tp(2, runs, STEPS)[0]
     _check(results, runs)
 
 
 @pytest.mark.slow
 def test_llama_over_four_ranks_replicates_kv_heads(tmp_path):
     runs = {"llama": (_checkpoints(tmp_path, "llama")["llama"], {"passes": {"shard": {"lm_head": False}}})}
-    results = run_on_ranks(4, tp_greedy, 4, runs, STEPS)[0]
+    results = run_tp(4, runs, STEPS)[0]
     _check(results, runs)

@@ -13,9 +13,8 @@ from autodeploy.passes.shard import context_before_shard, plan_for_checkpoint
 from autodeploy.passes.shard_plan import derive_plan
 from autodeploy.passes.shard_quantized import localize_written, written_params
 from safetensors.torch import load_file
-from tp_programs import max_diff, reference, tp_greedy
+from tp_programs import max_diff, references, run_tp
 
-from autodeploy.distributed_launch import run_on_ranks
 from autodeploy.errors import AutoDeployError
 from autodeploy.quantization.source import AliasingSource
 from autodeploy.tiny import make_tiny_checkpoint
@@ -57,10 +56,9 @@ def _per_token_runs(tmp_path) -> dict[str, tuple[str, dict]]:
 def test_quantized_formats_over_two_ranks_equal_one_process(tmp_path):
     exact, per_token = _exact_runs(tmp_path), _per_token_runs(tmp_path)
     steps = {**dict.fromkeys(exact, STEPS), **dict.fromkeys(per_token, 1)}
-    results = run_on_ranks(2, tp_greedy, 2, {**exact, **per_token}, steps)[0]
-    for name, (path, options) in {**exact, **per_token}.items():
+    results = run_tp(2, {**exact, **per_token}, steps)[0]
+    for name, (want_rows, want_tokens) in references({**exact, **per_token}, steps).items():
         rows, tokens = results[name]
-        want_rows, want_tokens = reference(path, options, steps[name])
         scale = max(float(abs(r).max()) for r in want_rows)
         if name in exact:
             assert tokens == want_tokens, name

@@ -87,7 +87,7 @@ def _wait_until_ready(url: str, proc, timeout: float = 600) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.1)
     raise TimeoutError("server never became healthy")
 
 

@@ -1,4 +1,4 @@
-"""Soak: 2,000 requests against a real ``autodeploy serve`` process (tiny model, CPU), mixing valid
+"""Soak: 1,000 requests against a real ``autodeploy serve`` process (tiny model, CPU), mixing valid
 ones with invalid ones, aborts and hostile ones (huge stop lists, slow client templates, 10 MB
 bodies, values that used to kill the engine). Every valid request must complete
 with the output it has in a clean run of the valid requests alone (measured in the same test,
@@ -26,8 +26,10 @@ import pytest
 
 from conftest import wait_for_url
 
-NUM_VALID = 800
-NUM_OTHER = 1200  # invalid, aborted and hostile: 2,000 requests in the mixed run
+# (each of the 11 kinds of others still comes ~55 times in a run of ~15 s, and the p99 is the 5th-slowest
+# of 400 valid requests; twice as many made no other point and cost CI 45 s)
+NUM_VALID = 400
+NUM_OTHER = 600  # invalid, aborted and hostile: 1,000 requests in the mixed run
 VALID_CONCURRENCY = 8
 OTHER_CONCURRENCY = 16  # at most this many of the others in flight
 NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% endfor %}{% endfor %}"
