@@ -122,6 +122,7 @@ def paged_metadata(seqs: list[tuple[int, int]], pad_tokens=0, device=None,
     device = DEV if device is None else device
     pages = [-(-(c + n) // PAGE) for c, n in seqs]
     count = sum(pages) + 1
+    # consecutive: pages 1, 2, ... as a fresh engine pool hands them out (page 0 is its spare, last here)
     order = torch.randperm(count, device=device) if shuffled else torch.arange(1, count + 1, device=device) % count
     table = torch.full((len(seqs), max(pages)), -1, dtype=torch.int64, device=device)
     slots, used = [], 0

@@ -215,8 +215,8 @@ def server_options(max_batch: int, max_seq_len: int, settings: dict, overrides=(
     """``autodeploy serve`` flags: random weights, a batch of ``max_batch`` requests of ``max_seq_len`` tokens;
     ``overrides`` are the decode section's ``--set`` strings, passed on."""
     flags = ["--weights", "random", "--max_batch_size", str(max_batch), "--max_seq_len", str(max_seq_len + 64)]
-    settings = [f"{key}={value}" for key, value in settings.items()] + list(overrides)
-    return flags + [flag for item in settings for flag in ("--set", item)]
+    items = [f"{key}={value}" for key, value in settings.items()] + list(overrides)
+    return flags + [flag for item in items for flag in ("--set", item)]
 
 
 @contextmanager

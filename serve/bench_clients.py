@@ -4,8 +4,8 @@ One Python process streaming thousands of SSE chunks a second is busy enough to 
 at 64 streams of an 8B model (~7,000 chunks/s) a single client measured time-to-first-token tails about
 twice the server's own time to first byte in the same run, and four clients of 16 streams each measured a
 third of the one client's p99 at the same throughput (issue 36). Each shard (``bench_serving.Shard``) runs
-in its own spawned process; all of them start sending at once, after every process has imported httpx and
-built its prompts' payloads, so that the run's duration (first send to last end, ``time.perf_counter``:
+in its own spawned process with its share of the payloads (built once, in the parent); all of them start
+sending at once, after every process has imported httpx, so that the run's duration (first send to last end, ``time.perf_counter``:
 CLOCK_MONOTONIC, one clock for every process of a host) leaves out their start-up.
 """
 

@@ -228,16 +228,17 @@ class QuantGemvLaunch:
         FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
         ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile: a
         measurement knob (``bench/probes/quant_kernels.py --sweep`` times candidates)."""
-        if rows == 1 and fmt == WeightFormat.FP8 and FP8_GEMV_TILE is not None and block_rows is None:
+        one_row_fp8 = rows == 1 and fmt == WeightFormat.FP8
+        if rows > 1:
+            block_n, block_b, warps, fold = 16, 128, 4, 1
+        else:
+            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else (4, 512, 4, 1)
+        if one_row_fp8 and FP8_GEMV_TILE is not None and block_rows is None:
             block_n, block_b, warps, fold = FP8_GEMV_TILE
-            block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))
-            return cls(block_n, block_b, warps, fold=min(fold, block_b))
-        block_n, block_b = (16, 128) if rows > 1 else (4, 1024 if fmt == WeightFormat.FP8 else 512)
         if block_rows is not None:
             block_n = min(block_n, block_rows & -block_rows)  # the largest power of two dividing it
-        block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))
-        fold = min(4, block_b) if rows == 1 and fmt == WeightFormat.FP8 else 1
-        return cls(block_n, block_b, fold=fold)
+        block_b = min(block_b, max(16, triton.next_power_of_2(row_bytes)))  # a short row: one tile
+        return cls(block_n, block_b, warps, fold=min(fold, block_b))
 
     def check(self, rows: int, what: str) -> None:
         if self.fold & (self.fold - 1) or self.block_b % self.fold:
