@@ -28,7 +28,8 @@ SERVE_FLAGS: list[tuple[str, Any]] = [
     ("host", str), ("port", int), ("tokenizer", str), ("chat_template", str),
     ("api_key_file", str), ("drain_timeout", float), ("seed", int), ("generation_config", str),
     ("override_generation_config", json.loads), ("metrics_prefix", str),
-    ("engine_process", str), ("max_num_prefill_tokens", int), ("timeline", str),
+    ("engine_process", str), ("max_num_prefill_tokens", int),
+    ("busy_prefill_tokens", int), ("timeline", str),
     ("tool_call_parser", str), ("reasoning_parser", str),  # tool calls and reasoning (vLLM's flags)
 ]
 SWITCHES = ["metrics_without_key", "enable_auto_tool_choice"]  # ServeSettings booleans that a bare flag turns on

@@ -56,6 +56,7 @@ class EngineConfig:
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     max_num_prefill_tokens: int | None = None  # prompt tokens per step (None: the whole token budget)
+    busy_prefill_tokens: int | None = None  # ... once half the batch decodes in it (None: the same)
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # use only this many of the model's KV blocks
     overlap: bool | None = None  # default: on for CUDA, off on the CPU
@@ -99,7 +100,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, model.block_size, caching, num_state_slots=model.num_state_slots)
         self.max_num_tokens = min(config.max_num_tokens or model.config.max_num_tokens, model.config.max_num_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size or model.config.max_batch_size, self.max_num_tokens,
-                                   config.max_num_prefill_tokens)
+                                   config.max_num_prefill_tokens, config.busy_prefill_tokens)
         self.eos_token_ids = eos_token_ids(model.hf_config, tokenizer)
         self.structured = None if tokenizer is None else StructuredOutputs(GrammarCompiler(
             tokenizer, model.vocab_size, self.eos_token_ids, config.grammar_compile_timeout))

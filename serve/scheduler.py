@@ -3,7 +3,10 @@
 Each step fills a budget of ``max_num_tokens`` tokens and ``max_batch_size`` sequences, of which at
 most ``max_num_prefill_tokens`` are prompt tokens (the latency policy: a step that prefills a long
 prompt while others decode costs every decoding client that step's time between two tokens, so the
-prompt is cut into chunks that keep such steps short):
+prompt is cut into chunks that keep such steps short). Once at least half of ``max_batch_size``
+sequences decode in a step, ``busy_prefill_tokens`` (if set) caps its prompt tokens instead: next to
+that many decodes a small chunk rides on the weight stream the decodes pay for anyway, where a large one
+turns the step compute-bound; while the batch fills, prompts keep the larger budget (time to first token).
 
 1. Decodes first: every running sequence with one token to run, oldest first. So no prompt, however
    long, ever takes a decoding sequence's place in a step.
@@ -67,12 +70,14 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 max_num_prefill_tokens: int | None = None):
+                 max_num_prefill_tokens: int | None = None, busy_prefill_tokens: int | None = None):
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         # None: prompts may take the whole token budget
         self.max_num_prefill_tokens = min(max_num_prefill_tokens or max_num_tokens, max_num_tokens)
+        # None: no smaller budget while the batch is busy decoding
+        self.busy_prefill_tokens = min(busy_prefill_tokens or self.max_num_prefill_tokens, self.max_num_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -91,6 +96,8 @@ class Scheduler:
                 break
             if seq.status is Status.RUNNING and self._grow_or_preempt(seq, 1, step):
                 step.add(_chunk(seq, 1), prefill=False)
+        if 2 * len(step.chunks) >= self.max_batch_size:  # the batch is busy decoding
+            step.prefill_tokens = min(step.prefill_tokens, self.busy_prefill_tokens)
         for seq in [s for s in self.running if s.num_uncomputed > 1]:
             if step.full or not step.prefill_budget:
                 break

@@ -62,6 +62,10 @@ class ServeSettings(BaseModel):
         DEFAULT_PREFILL_TOKENS, ge=0, description="most prompt tokens per engine step: long prompts are prefilled in "
         "chunks of this many next to the decodes, which keeps the time between two tokens of every other stream "
         "short; 0: prompts may take the whole --max_num_tokens budget")
+    busy_prefill_tokens: int = Field(
+        0, ge=0, description="most prompt tokens per engine step once at least half of --max_batch_size sequences "
+        "decode in it: a small chunk next to many decodes rides on the weights they stream anyway; "
+        "0: --max_num_prefill_tokens in every step")
     warm_up: bool | None = Field(None, description="before saying ready, run requests through the engine that meet "
                                  "every sampler path and GEMM row bucket (nothing compiles at request time); "
                                  "default: on for CUDA")
@@ -226,7 +230,15 @@ def engine_config(settings: ServeSettings):
 
     return EngineConfig(enable_prefix_caching=settings.enable_prefix_caching,
                         max_num_prefill_tokens=settings.max_num_prefill_tokens or None,
+                        busy_prefill_tokens=settings.busy_prefill_tokens or None,
                         grammar_compile_timeout=settings.limits.grammar_compile_timeout)
+
+
+def prompt_budget_words(scheduler) -> str:
+    words = f"{scheduler.max_num_prefill_tokens} of them prompt tokens"
+    if scheduler.busy_prefill_tokens < scheduler.max_num_prefill_tokens:
+        words += f", {scheduler.busy_prefill_tokens} once half the batch decodes"
+    return words
 
 
 def start_watching_compiles(engine, timeline=None) -> None:
@@ -259,7 +271,7 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         f"{cap.seqs_at_max_len} sequences at max length {cap.max_seq_len} ({cap.dtype_words()})",
         *([f"state cache  {model.pool.state.capacity().describe()}"] if model.num_state_slots else []),
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
-        f"({engine.scheduler.max_num_prefill_tokens} of them prompt tokens); "
+        f"({prompt_budget_words(engine.scheduler)}); "
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}"
         + (" (the model has recurrent state)" if model.num_state_slots else ""),
         f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise, model.mixed_graphs)}",

@@ -59,6 +59,26 @@ def test_new_prompts_share_the_prefill_budget_and_queue_behind_it():
     assert _tokens_by_request(second) == {"p0": 1, "p1": 1, "p2": 20, "p3": 40}
 
 
+def test_a_busy_batch_prefills_within_the_smaller_budget_and_a_filling_one_within_the_larger():
+    """max_batch_size 8: with 4 or more decodes in the step, prompts get ``busy_prefill_tokens``."""
+    scheduler = Scheduler(BlockManager(1024, 16), max_batch_size=8, max_num_tokens=4096, max_num_prefill_tokens=100,
+                          busy_prefill_tokens=30)
+    for i in range(3):
+        scheduler.add(_seq(f"p{i}", 40))
+    first = scheduler.schedule()
+    assert _tokens_by_request(first) == {"p0": 40, "p1": 40, "p2": 20}  # nothing decodes: the full budget
+    _run(first)
+    for i in range(3, 8):
+        scheduler.add(_seq(f"p{i}", 40))
+    second = scheduler.schedule()  # 2 decodes of 8: still filling
+    assert _tokens_by_request(second) == {"p0": 1, "p1": 1, "p2": 20, "p3": 40, "p4": 40}
+    _run(second)
+    third = scheduler.schedule()  # 5 decodes: busy, 30 prompt tokens
+    assert _tokens_by_request(third) == {"p0": 1, "p1": 1, "p2": 1, "p3": 1, "p4": 1, "p5": 30}
+    assert Scheduler(BlockManager(8, 16), 4, 256, 100, 1000).busy_prefill_tokens == 100  # never above the budget
+    assert Scheduler(BlockManager(8, 16), 4, 256, 100).busy_prefill_tokens == 100
+
+
 def test_without_a_prefill_budget_prompts_may_take_the_whole_step():
     scheduler = Scheduler(BlockManager(1024, 16), max_batch_size=64, max_num_tokens=512)
     scheduler.add(_seq("a", 600))
@@ -87,5 +107,7 @@ def test_the_server_defaults_to_a_512_token_prefill_budget_and_0_turns_it_off():
 
     assert engine_config(ServeSettings()).max_num_prefill_tokens == 512
     assert engine_config(ServeSettings(max_num_prefill_tokens=0)).max_num_prefill_tokens is None
+    assert engine_config(ServeSettings()).busy_prefill_tokens is None
+    assert engine_config(ServeSettings(busy_prefill_tokens=128)).busy_prefill_tokens == 128
     assert Scheduler(BlockManager(8, 16), 4, 256, None).max_num_prefill_tokens == 256
     assert Scheduler(BlockManager(8, 16), 4, 256, 1024).max_num_prefill_tokens == 256  # never above the step
