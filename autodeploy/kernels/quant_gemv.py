@@ -333,6 +333,13 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         raise ValueError(f"nvfp4_gemv: fold is FP8's (its products are summed per block of 16), got {launch.fold}")
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
+    from .nvfp4_gemv import launch_one_row, words_of  # (that module imports this one)
+
+    words = words_of(weight_packed) if rows.shape[0] == 1 else None
+    if words is not None:  # one row: nvfp4_gemv.py's kernel, every value where its thread needs it
+        out = launch_one_row(rows, words, scales, bias, launch.block_n, launch.block_b // 16, launch.num_warps,
+                            launch.trigger, launch.preload)
+        return out.view(*x.shape[:-1], n)
     return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
 
 
@@ -368,3 +375,4 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_b
             **pdl.launch_options(x.device),
         )
     return out.view(*x.shape[:-1], n)
+

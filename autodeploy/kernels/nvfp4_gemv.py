@@ -1,0 +1,161 @@
+"""Prototype (being measured): the one-row NVFP4 GEMV with every value where the thread needs it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .pdl import Trigger
+from .quant_gemv import e2m1_ptx, e2m1_to_fp16
+
+START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
+GROUP_WORDS = tl.constexpr(4)  # one thread's 32-bit words of a feature: 32 elements, two scale blocks
+
+
+# e2m1 -> fp32 for the eight codes of one 32-bit word (sm_80+ PTX; the interpreter runs e2m1_to_fp16):
+# pair i holds codes i and i + 4 after a shift of 12 - 4i (nibble i at bits 12-15, nibble i + 4 at 28-31):
+# the sign stays at bit 15 / 31 (and), the magnitude moves to bits 9-11 / 25-27 (shr 3, lop3 (t & m) | a),
+# i.e. e2m1_to_fp16's fp16 pair; cvt widens each half. Out: the eight values in element order, times 2**-14.
+def _e2m1_word_asm() -> str:
+    lines = ["{", ".reg .b32 s, a, t, p;", ".reg .b16 lo, hi;"]
+    for i in range(4):
+        word = "$8" if i == 3 else "s"
+        if i < 3:
+            lines.append(f"shl.b32 s, $8, {12 - 4 * i};")
+        lines += [f"and.b32 a, {word}, 0x80008000;", f"shr.b32 t, {word}, 3;",
+                  "lop3.b32 p, t, 0x0E000E00, a, 0xEA;", "mov.b32 {lo, hi}, p;",
+                  f"cvt.f32.f16 ${i}, lo;", f"cvt.f32.f16 ${i + 4}, hi;"]
+    return "\n".join(lines + ["}"])
+
+
+E2M1_WORD_ASM = tl.constexpr(_e2m1_word_asm())
+
+
+@triton.jit
+def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr):
+    """The activations of the tile's groups as fp32 [BLOCK_G, 4, 8]: element ``k0 + 32 g + 8 q + i``, which
+    word q of group g holds in its nibble i."""
+    ks = k0 + groups[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    return tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _eighths(x, BLOCK_G: tl.constexpr):
+    """x [BLOCK_G, 4, 8] as eight [BLOCK_G, 4] tensors, x[..., i] for i = 0..7 (in-thread splits)."""
+    even, odd = tl.split(tl.reshape(x, [BLOCK_G, 4, 2, 2, 2]))  # i = 4 b2 + 2 b1 + b0: b0 split first
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _decode(w, E2M1_PTX: tl.constexpr):
+    """The eight e2m1 values (times 2**-14, fp32) of each 32-bit word of ``w``, in element order."""
+    if E2M1_PTX:
+        return tl.inline_asm_elementwise(E2M1_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        return (e2m1_to_fp16(w & 0xF).to(tl.float32), e2m1_to_fp16((w >> 4) & 0xF).to(tl.float32),
+                e2m1_to_fp16((w >> 8) & 0xF).to(tl.float32), e2m1_to_fp16((w >> 12) & 0xF).to(tl.float32),
+                e2m1_to_fp16((w >> 16) & 0xF).to(tl.float32), e2m1_to_fp16((w >> 20) & 0xF).to(tl.float32),
+                e2m1_to_fp16((w >> 24) & 0xF).to(tl.float32), e2m1_to_fp16((w >> 28) & 0xF).to(tl.float32))
+
+
+@triton.jit
+def _word_sums(w, x, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
+    """[BLOCK_G, BLOCK_N, 4]: each word's eight products with its activations summed (one FMA chain)."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = _decode(w, E2M1_PTX)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x, BLOCK_G)
+    s = e0 * x0[:, None, :] + e1 * x1[:, None, :]
+    s += e2 * x2[:, None, :]
+    s += e3 * x3[:, None, :]
+    s += e4 * x4[:, None, :]
+    s += e5 * x5[:, None, :]
+    s += e6 * x6[:, None, :]
+    s += e7 * x7[:, None, :]
+    return s
+
+
+@triton.jit
+def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, stride_sn, stride_sk,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
+    """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0,
+    each block of 16 (two words) summed and times its e4m3 scale."""
+    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G)
+    sums = tl.sum(tl.reshape(_word_sums(w, x, BLOCK_G, E2M1_PTX), [BLOCK_G, BLOCK_N, 2, 2]), 3)
+    block = w0 // 2 + groups[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+    scale = tl.load(scale_ptr + cols[None, :, None] * stride_sn + block * stride_sk,
+                    mask=col_ok[None, :, None] & (block * 16 < K), other=0.0).to(tl.float32)
+    return acc + tl.sum(sums * scale, 2)
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
+    N, K, row_words, stride_wn, stride_sn, stride_sk, stride_os, out_factor,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
+):
+    """``w_ptr``: the packed weight as 32-bit words, ``stride_wn`` words a row."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    groups = tl.arange(0, BLOCK_G)
+    tile = groups[:, None, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, None, :]  # [G, 1, 4]
+    w_rows = w_ptr + cols.to(tl.int64)[None, :, None] * stride_wn
+    TILE_WORDS: tl.constexpr = BLOCK_G * GROUP_WORDS
+    w_next = tl.zeros([BLOCK_G, BLOCK_N, GROUP_WORDS], dtype=tl.int32)
+    if PRELOAD:
+        w_next = tl.load(w_rows + tile, mask=col_ok[None, :, None] & (tile < row_words), other=0)
+    if TRIGGER == START:
+        pdl.allow_dependents(PDL)
+    pdl.wait(PDL)
+    if TRIGGER == AFTER_WAIT:
+        pdl.allow_dependents(PDL)
+    if not PRELOAD:
+        w_next = tl.load(w_rows + tile, mask=col_ok[None, :, None] & (tile < row_words), other=0)
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for w0 in range(0, row_words, TILE_WORDS):
+        w = w_next
+        ws = w0 + TILE_WORDS + tile
+        w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
+        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, stride_sn, stride_sk,
+                              BLOCK_N, BLOCK_G, E2M1_PTX)
+    if TRIGGER == AFTER_LOOP:
+        pdl.allow_dependents(PDL)
+    out = tl.sum(acc, 0) * tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0) * out_factor
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def words_of(weight_packed: torch.Tensor) -> torch.Tensor | None:
+    """The packed weight as int32 words (4 bytes: 8 codes), or None where its strides or offset do not allow
+    the view (a row whose bytes do not start on a word)."""
+    try:
+        return weight_packed.view(torch.int32)
+    except RuntimeError:
+        return None
+
+
+def launch_one_row(x_row: torch.Tensor, words: torch.Tensor, scales, bias, block_n: int, block_g: int,
+                   num_warps: int, trigger: Trigger, preload: bool) -> torch.Tensor:
+    """out [1, N] = x_row [1, K] @ dequantize(W).T (+ bias): ``words`` int32 [N, K // 8], ``scales`` a
+    ``quant_gemv.ScaleLayout`` of the weight (the inputs already checked by ``nvfp4_gemv``)."""
+    n, k = words.shape[0], x_row.shape[1]
+    out = torch.empty((1, n), dtype=x_row.dtype, device=x_row.device)
+    if n:
+        _nvfp4_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x_row, words, scales.scale, scales.out_scale, bias if bias is not None else out, out,
+            n, k, words.shape[1], words.stride(0), scales.stride_n, scales.stride_k, scales.stride_out,
+            scales.factor, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_G=block_g,
+            TRIGGER=int(trigger), PRELOAD=preload, E2M1_PTX=e2m1_ptx(x_row.device),
+            num_warps=num_warps, num_stages=1, **pdl.launch_options(x_row.device),
+        )
+    return out
