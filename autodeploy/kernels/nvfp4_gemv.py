@@ -34,17 +34,24 @@ E2M1_WORD_ASM = tl.constexpr(_e2m1_word_asm())
 
 
 @triton.jit
-def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr):
+def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr, BF16_PTX: tl.constexpr):
     """The activations of the tile's groups as fp32 [BLOCK_G, 4, 8]: element ``k0 + 32 g + 8 q + i``, which
-    word q of group g holds in its nibble i."""
-    ks = k0 + groups[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    return tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    word q of group g holds in its nibble i. ``BF16_PTX``: bf16 pairs widened by two instructions (shl, and)."""
+    if BF16_PTX:
+        pairs = k0 // 2 + groups[:, None, None] * 16 + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pairs, mask=pairs < K // 2, other=0)
+        low, high = tl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r",
+                                              [words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return tl.reshape(tl.join(low, high), [BLOCK_G, 4, 8])
+    else:
+        ks = k0 + groups[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        return tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _eighths(x, BLOCK_G: tl.constexpr):
-    """x [BLOCK_G, 4, 8] as eight [BLOCK_G, 4] tensors, x[..., i] for i = 0..7 (in-thread splits)."""
-    even, odd = tl.split(tl.reshape(x, [BLOCK_G, 4, 2, 2, 2]))  # i = 4 b2 + 2 b1 + b0: b0 split first
+def _eighths(x):
+    """x [A, B, 8] as eight [A, B] tensors, x[..., i] for i = 0..7 (in-thread splits)."""
+    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2]))  # i = 4 b2 + 2 b1 + b0: b0 first
     x04, x26 = tl.split(even)
     x15, x37 = tl.split(odd)
     x0, x4 = tl.split(x04)
@@ -68,11 +75,13 @@ def _decode(w, E2M1_PTX: tl.constexpr):
 
 
 @triton.jit
-def _word_sums(w, x, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
-    """[BLOCK_G, BLOCK_N, 4]: each word's eight products with its activations summed (one FMA chain)."""
+def _chain(s, w, x, E2M1_PTX: tl.constexpr):
+    """s + the eight products of each word of ``w`` [G, N, B] with its activations ``x`` [G, B, 8]: one FMA
+    chain a sum."""
     e0, e1, e2, e3, e4, e5, e6, e7 = _decode(w, E2M1_PTX)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x, BLOCK_G)
-    s = e0 * x0[:, None, :] + e1 * x1[:, None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x)
+    s += e0 * x0[:, None, :]
+    s += e1 * x1[:, None, :]
     s += e2 * x2[:, None, :]
     s += e3 * x3[:, None, :]
     s += e4 * x4[:, None, :]
@@ -83,16 +92,20 @@ def _word_sums(w, x, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
 
 
 @triton.jit
-def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, stride_sn, stride_sk,
+def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_blocks, stride_sn, stride_sk,
                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
-    """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0,
-    each block of 16 (two words) summed and times its e4m3 scale."""
-    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G)
-    sums = tl.sum(tl.reshape(_word_sums(w, x, BLOCK_G, E2M1_PTX), [BLOCK_G, BLOCK_N, 2, 2]), 3)
+    """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0:
+    each block of 16 (words 0-1, 2-3 of a group) summed in one chain, times its e4m3 scale."""
+    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G, E2M1_PTX and x_ptr.dtype.element_ty == tl.bfloat16)
+    x_first, x_second = tl.split(tl.permute(tl.reshape(x, [BLOCK_G, 2, 2, 8]), (0, 1, 3, 2)))  # [G, 2, 8]
+    w_first, w_second = tl.split(tl.reshape(w, [BLOCK_G, BLOCK_N, 2, 2]))  # [G, N, 2]: a block's two words
+    sums = _chain(tl.zeros([BLOCK_G, BLOCK_N, 2], dtype=tl.float32), w_first, x_first, E2M1_PTX)
+    sum_0, sum_1 = tl.split(_chain(sums, w_second, x_second, E2M1_PTX))
     block = w0 // 2 + groups[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
     scale = tl.load(scale_ptr + cols[None, :, None] * stride_sn + block * stride_sk,
-                    mask=col_ok[None, :, None] & (block * 16 < K), other=0.0).to(tl.float32)
-    return acc + tl.sum(sums * scale, 2)
+                    mask=col_ok[None, :, None] & (block < row_blocks), other=0.0).to(tl.float32)
+    scale_0, scale_1 = tl.split(scale)
+    return acc + sum_0 * scale_0 + sum_1 * scale_1
 
 
 @triton.jit
@@ -125,7 +138,7 @@ def _nvfp4_gemv_kernel(
         w = w_next
         ws = w0 + TILE_WORDS + tile
         w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
-        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, stride_sn, stride_sk,
+        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_words // 2, stride_sn, stride_sk,
                               BLOCK_N, BLOCK_G, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
