@@ -220,11 +220,13 @@ class QuantGemvLaunch:
     fold: int = 1
 
     @classmethod
-    def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1,
-               block_rows: int | None = None) -> "QuantGemvLaunch":
+    def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1, block_rows: int | None = None,
+               nvfp4_words: bool = True) -> "QuantGemvLaunch":
         """One row: FP8 4 features x 1024 bytes, 4 products folded (the accumulator of 4 x 256 lanes: 58
         registers, 8 programs per SM; the fold of 1 took 80 and 6, and an 8B layer's linears 7% longer on an
-        H100), NVFP4 4 x 512 bytes; up to four rows: 16 x 128 bytes. ``block_rows``: the weight rows of one
+        H100), NVFP4 4 x 1024 bytes
+        on 2 warps (``nvfp4_gemv.py``: one thread a feature's 16 bytes, 64 registers; ``nvfp4_words=False``, the
+        byte kernel below: 4 x 512 on 4 warps); up to four rows: 16 x 128 bytes. ``block_rows``: the weight rows of one
         FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
         ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile: a
         measurement knob (``bench/probes/quant_kernels.py --sweep`` times candidates)."""
@@ -232,7 +234,8 @@ class QuantGemvLaunch:
         if rows > 1:
             block_n, block_b, warps, fold = 16, 128, 4, 1
         else:
-            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else (4, 512, 4, 1)
+            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else (4, 1024, 2, 1) if nvfp4_words \
+                else (4, 512, 4, 1)
         if one_row_fp8 and FP8_GEMV_TILE is not None and block_rows is None:
             block_n, block_b, warps, fold = FP8_GEMV_TILE
         if block_rows is not None:
@@ -259,6 +262,9 @@ def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
 
 
 FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
+# one row of NVFP4 takes nvfp4_gemv.py's kernel (bytes read as words, no layout conversion), unless its rows do
+# not start on a word; AUTODEPLOY_NVFP4_WORD_GEMV=0 keeps the byte kernel below: the A/B switch of its timing
+NVFP4_WORD_GEMV = os.environ.get("AUTODEPLOY_NVFP4_WORD_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -325,17 +331,18 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
     ``weight_scale_2`` fp32 (one value)."""
+    from .nvfp4_gemv import launch_one_row, words_of  # (that module imports this one)
+
     scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
     n, row_bytes = weight_packed.shape
     rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
-    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    words = words_of(weight_packed) if rows.shape[0] == 1 and NVFP4_WORD_GEMV else None
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0],
+                                              nvfp4_words=words is not None)
     if launch.fold != 1:
         raise ValueError(f"nvfp4_gemv: fold is FP8's (its products are summed per block of 16), got {launch.fold}")
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
-    from .nvfp4_gemv import launch_one_row, words_of  # (that module imports this one)
-
-    words = words_of(weight_packed) if rows.shape[0] == 1 else None
     if words is not None:  # one row: nvfp4_gemv.py's kernel, every value where its thread needs it
         out = launch_one_row(rows, words, scales, bias, launch.block_n, launch.block_b // 16, launch.num_warps,
                             launch.trigger, launch.preload)

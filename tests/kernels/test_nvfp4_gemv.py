@@ -82,3 +82,18 @@ def test_the_gpu_word_decode_emulated_matches_the_e2m1_table():
         for i, c in enumerate(nibbles):
             got, want = regs[f"${i}"], ref.E2M1_VALUES[c] * 2.0**-14
             assert got == want and math.copysign(1, got) == math.copysign(1, want), (nibbles, i)
+
+
+def test_the_switch_keeps_the_byte_kernel(monkeypatch):
+    from autodeploy.kernels import nvfp4_gemv as words_module
+    from autodeploy.kernels import quant_gemv
+
+    packed, scale, scale_2 = nvfp4_weight(6, 32)
+    x = torch.randn(1, 32)
+    launched = []
+    monkeypatch.setattr(words_module, "launch_one_row", lambda *a, **k: launched.append(1) or torch.zeros(1, 6))
+    nvfp4_gemv(x, packed, scale, scale_2)
+    assert launched == [1]
+    monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", False)
+    got = nvfp4_gemv(x, packed, scale, scale_2)
+    assert launched == [1] and rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < 1e-5

@@ -99,7 +99,7 @@ def test_a_tile_from_the_environment_replaces_fp8s_one_row_tile(monkeypatch):
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(1, 4096, 4, fold=16)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(1, 64, 4, fold=16)  # a short row
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)  # one row only
-    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
+    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 1024, 2)
     for bad in ("4,1024", "4,1024,4,1,6", "a,b,c,d"):
         with pytest.raises(ValueError, match="expected block_n,block_b,num_warps,fold"):
             quant_gemv._tile_from_env(bad)
@@ -151,7 +151,7 @@ def test_leading_dimensions_strided_rows_and_no_rows():
 
 def test_default_launches_fit_the_shapes():
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(4, 1024, fold=4)
-    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
+    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 1024, 2)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(4, 64, fold=4)  # a short row: one tile
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4, block_rows=12).block_n == 4  # divides 12
