@@ -1,4 +1,26 @@
-"""Prototype (being measured): the one-row NVFP4 GEMV with every value where the thread needs it."""
+"""The one-row NVFP4 GEMV (batch-1 decode): ``out[1, N] = x[1, K] @ dequantize(W).T (+ bias)``, what
+``quant_gemv.nvfp4_gemv`` runs at one row, its semantics and checks (``quant_reference.py``'s NVFP4 format and
+reference: products in fp32, per block of 16 summed and times the block's e4m3 scale, the global scale last).
+
+Every value is where its thread needs it, so no layout conversion, shared memory or barrier is left in the
+loop: a thread owns 16 bytes (4 words of 8 codes: 32 elements, two scale blocks) of each of the program's
+``BLOCK_N`` features at one K position, loaded as int32 words in the checkpoint's byte order; the activations of
+those 32 elements (loaded once for the features: ``load_activations``, the one place a norm / SiLU·mul prologue
+would go) and the two scales of each feature sit in the same thread. Word q of group g holds element
+``32 g + 8 q + i`` in its nibble i; ``E2M1_WORD_ASM`` decodes a word into its eight values (fp16 pairs by
+shifts and masks, widened to fp32), and each block's 16 products are one FMA chain, then one FMA with its scale.
+Threads span K (one group each), features repeat in the thread; the sum over K is one reduction at the end.
+
+SASS of sm_90 (``python bench/probes/fp8_small_m.py --sass``; 4 x 1024 bytes on 2 warps): 4.95 instructions per
+element in the loop, no barrier or shared-memory access, 64 registers; the byte kernel it replaced at one row
+(``quant_gemv._tile_products``: nibbles interleaved by join + reshape, the tile moved through shared memory to
+meet the activations) 8.81, 10 barriers, 48 registers. Of the 4.95: the decode 2.875 (15 integer ops a word and
+8 fp16 -> fp32 widenings), the products 1.0, the rest activations (bf16 pairs widened by two ops), scales,
+addresses and masks. The issue budget at the copy bandwidth is ~4.9 per element on an H100 and ~3.1 on an H200:
+this kernel is near the H100's and ~60% of the H200's. On the CUDA cores the decode + widen + FMA floor is
+~3.9 per element; below that is the tensor cores' work (``mma`` m16n8k16 on the decoded fp16/bf16 pairs with the
+activations as the one useful column: no widening, no FMA, ~2.6 per element by count), left for later.
+"""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ rows. At one row its speed is bytes in flight, not issue: four adjacent products
 (``fold``) shrink the accumulator to 58 registers, 8 programs per SM instead of 6 (docs/perf.md); the weight-only tensor-core GEMM ~5.8 per FP8 weight with 16-row tiles (4.4 with 64), ~7.8 per
 NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
 instructions per FP8 byte (an H100's 3.0 TB/s ~11) and ~4 per NVFP4 element: the NVFP4 kernels are
-expected issue-bound. With the activations quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma
+expected issue-bound. One row of NVFP4 runs ``nvfp4_gemv.py``'s kernel instead of this one (4.95 per element
+against 8.81 here: no layout conversion, the packed bytes read as words). With the activations quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma
 on e4m3 operands) spends ~1.0 per weight byte.
 """
 
