@@ -45,6 +45,17 @@ def test_one_row_matches_the_reference(n, k, dtype, launch):
             1e-5 if dtype == torch.float32 else 3e-3)
 
 
+@pytest.mark.parametrize("m", [1, 3])  # the word kernel; the byte kernel
+def test_a_global_scale_per_row_scales_each_feature(m):
+    packed, scale, scale_2 = nvfp4_weight(13, 112)
+    per_row = scale_2 * torch.linspace(0.5, 2, 13)  # fused parts with their own global scales
+    x, bias = torch.randn(m, 112), torch.randn(13)
+    got = nvfp4_gemv(x, packed, scale, per_row, bias, launch=TWO_GROUPS)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, per_row, bias)) < 1e-5
+    with pytest.raises(ValueError, match=r"one float32 value or one per row \(13,\)"):
+        nvfp4_gemv(x, packed, scale, per_row[:12])
+
+
 def test_every_byte_and_scale_dequantizes_exactly_at_one_row():
     """All 256 bytes (both nibbles, each of the 8 positions of a word) against 256 e4m3 scales, one-hot rows."""
     packed = torch.zeros(256, 8, dtype=torch.uint8)
