@@ -32,7 +32,7 @@ from . import pdl
 from .pdl import Trigger
 from .quant_gemv import e2m1_ptx, e2m1_to_fp16
 
-START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
+AFTER_LOOP = tl.constexpr(Trigger.AFTER_LOOP.value)
 GROUP_WORDS = tl.constexpr(4)  # one thread's 32-bit words of a feature: 32 elements, two scale blocks
 
 
@@ -145,23 +145,15 @@ def _nvfp4_gemv_kernel(
     tile = groups[:, None, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, None, :]  # [G, 1, 4]
     w_rows = w_ptr + cols.to(tl.int64)[None, :, None] * stride_wn
     TILE_WORDS: tl.constexpr = BLOCK_G * GROUP_WORDS
-    w_next = tl.zeros([BLOCK_G, BLOCK_N, GROUP_WORDS], dtype=tl.int32)
-    if PRELOAD:
-        w_next = tl.load(w_rows + tile, mask=col_ok[None, :, None] & (tile < row_words), other=0)
-    if TRIGGER == START:
-        pdl.allow_dependents(PDL)
-    pdl.wait(PDL)
-    if TRIGGER == AFTER_WAIT:
-        pdl.allow_dependents(PDL)
-    if not PRELOAD:
-        w_next = tl.load(w_rows + tile, mask=col_ok[None, :, None] & (tile < row_words), other=0)
+    w_next = pdl.load_around_wait(w_rows + tile, col_ok[None, :, None] & (tile < row_words),
+                                  tl.zeros([BLOCK_G, BLOCK_N, GROUP_WORDS], dtype=tl.int32), PDL, TRIGGER, PRELOAD)
     acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     for w0 in range(0, row_words, TILE_WORDS):
         w = w_next
         ws = w0 + TILE_WORDS + tile
         w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
-        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_words // 2, stride_sn, stride_sk,
-                              BLOCK_N, BLOCK_G, E2M1_PTX)
+        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_words // 2, stride_sn,
+                              stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 0) * tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0) * out_factor
