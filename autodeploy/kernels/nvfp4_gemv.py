@@ -56,17 +56,19 @@ E2M1_WORD_ASM = tl.constexpr(_e2m1_word_asm())
 
 
 @triton.jit
-def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr, BF16_PTX: tl.constexpr):
+def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr, X_PAIRS: tl.constexpr):
     """The activations of the tile's groups as fp32 [BLOCK_G, 4, 8]: element ``k0 + 32 g + 8 q + i``, which
-    word q of group g holds in its nibble i. ``BF16_PTX``: bf16 pairs widened by two instructions (shl, and)."""
-    if BF16_PTX:
-        pairs = k0 // 2 + groups[:, None, None] * 16 + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pairs, mask=pairs < K // 2, other=0)
+    word q of group g holds in its nibble i. ``X_PAIRS``: bf16 pairs read as 32-bit words and widened by two
+    instructions (shl, and)."""
+    words = tl.arange(0, 4)[None, :, None]
+    if X_PAIRS:
+        pairs = k0 // 2 + groups[:, None, None] * 16 + words * 4 + tl.arange(0, 4)[None, None, :]
+        packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pairs, mask=pairs < K // 2, other=0)
         low, high = tl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r",
-                                              [words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                                              [packed], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
         return tl.reshape(tl.join(low, high), [BLOCK_G, 4, 8])
     else:
-        ks = k0 + groups[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        ks = k0 + groups[:, None, None] * 32 + words * 8 + tl.arange(0, 8)[None, None, :]
         return tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
 
 
@@ -115,10 +117,10 @@ def _chain(s, w, x, E2M1_PTX: tl.constexpr):
 
 @triton.jit
 def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_blocks, stride_sn, stride_sk,
-                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr, X_PAIRS: tl.constexpr):
     """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0:
     each block of 16 (words 0-1, 2-3 of a group) summed in one chain, times its e4m3 scale."""
-    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G, E2M1_PTX and x_ptr.dtype.element_ty == tl.bfloat16)
+    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G, X_PAIRS)
     x_first, x_second = tl.split(tl.permute(tl.reshape(x, [BLOCK_G, 2, 2, 8]), (0, 1, 3, 2)))  # [G, 2, 8]
     w_first, w_second = tl.split(tl.reshape(w, [BLOCK_G, BLOCK_N, 2, 2]))  # [G, N, 2]: a block's two words
     sums = _chain(tl.zeros([BLOCK_G, BLOCK_N, 2], dtype=tl.float32), w_first, x_first, E2M1_PTX)
@@ -136,8 +138,10 @@ def _nvfp4_gemv_kernel(
     N, K, row_words, stride_wn, stride_sn, stride_sk, stride_os, out_factor,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
+    X_PAIRS: tl.constexpr = False,
 ):
-    """``w_ptr``: the packed weight as 32-bit words, ``stride_wn`` words a row."""
+    """``w_ptr``: the packed weight as 32-bit words, ``stride_wn`` words a row; ``X_PAIRS``: x is bf16 on a
+    4-byte boundary, read as pairs (``load_activations``)."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -153,7 +157,7 @@ def _nvfp4_gemv_kernel(
         ws = w0 + TILE_WORDS + tile
         w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
         acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_words // 2, stride_sn,
-                              stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX)
+                              stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX, X_PAIRS)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 0) * tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0) * out_factor
@@ -183,6 +187,7 @@ def launch_one_row(x_row: torch.Tensor, words: torch.Tensor, scales, bias, block
             n, k, words.shape[1], words.stride(0), scales.stride_n, scales.stride_k, scales.stride_out,
             scales.factor, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_G=block_g,
             TRIGGER=int(trigger), PRELOAD=preload, E2M1_PTX=e2m1_ptx(x_row.device),
+            X_PAIRS=e2m1_ptx(x_row.device) and x_row.dtype == torch.bfloat16 and x_row.data_ptr() % 4 == 0,
             num_warps=num_warps, num_stages=1, **pdl.launch_options(x_row.device),
         )
     return out

@@ -310,7 +310,7 @@ def _nvfp4_one_row_variant():
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
                 "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     const = dict(stride_sk=1, HAS_BIAS=False, BLOCK_N=launch.block_n, BLOCK_G=launch.block_b // 16, PDL=True,
-                 TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True)
+                 TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True, X_PAIRS=True)
     return "nvfp4_gemv 1 row(s)", nv._nvfp4_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
 

@@ -60,6 +60,15 @@ def test_nvfp4_one_row_word_kernel(n, k, launch):
     assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, bias)) < BF16
 
 
+def test_nvfp4_one_row_activations_off_a_word_boundary():
+    """bf16 activations 2 bytes past a 4-byte boundary: read one at a time, not as pairs."""
+    packed, scale, scale_2 = cuda(*nvfp4_weight(512, 4096))
+    x = torch.randn(1, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:]
+    assert x.data_ptr() % 4 == 2
+    got = nvfp4_gemv(x, packed, scale, scale_2)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < BF16
+
+
 def test_nvfp4_one_row_every_byte_and_scale_exactly():
     packed = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * p) for p in range(8)], 1)
     finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().abs().nan_to_num(1.0)
