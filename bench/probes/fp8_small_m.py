@@ -284,10 +284,6 @@ def loop_body(cubin: bytes, cuobjdump) -> list[str]:
     return [text for addr, text in code if lo <= addr <= hi]
 
 
-def loop_instructions(cubin: bytes, cuobjdump) -> int:
-    return len(loop_body(cubin, cuobjdump))
-
-
 def tile_bytes(const: dict) -> int:
     """The weight bytes one iteration of a variant's main loop reads (``BLOCK_G``: groups of 16 bytes)."""
     return const["BLOCK_N"] * const.get("BLOCK_B", const.get("BLOCK_K", 16 * const.get("BLOCK_G", 0)))
