@@ -30,9 +30,9 @@ rows. At one row its speed is bytes in flight, not issue: four adjacent products
 (``fold``) shrink the accumulator to 58 registers, 8 programs per SM instead of 6 (docs/perf.md); the weight-only tensor-core GEMM ~5.8 per FP8 weight with 16-row tiles (4.4 with 64), ~7.8 per
 NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
 instructions per FP8 byte (an H100's 3.0 TB/s ~11) and ~4 per NVFP4 element: the NVFP4 kernels are
-expected issue-bound. One row of NVFP4 runs ``nvfp4_gemv.py``'s kernel instead of this one (4.95 per element
-against 8.81 here: no layout conversion, the packed bytes read as words). With the activations quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma
-on e4m3 operands) spends ~1.0 per weight byte.
+expected issue-bound. One row of NVFP4 runs ``nvfp4_gemv.py``'s kernel instead of this one (4.95 per
+element against 8.81 here: no layout conversion, the packed bytes read as words). With the activations
+quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma on e4m3 operands) spends ~1.0 per weight byte.
 """
 
 from __future__ import annotations
@@ -225,18 +225,17 @@ class QuantGemvLaunch:
                nvfp4_words: bool = True) -> "QuantGemvLaunch":
         """One row: FP8 4 features x 1024 bytes, 4 products folded (the accumulator of 4 x 256 lanes: 58
         registers, 8 programs per SM; the fold of 1 took 80 and 6, and an 8B layer's linears 7% longer on an
-        H100), NVFP4 4 x 1024 bytes
-        on 2 warps (``nvfp4_gemv.py``: one thread a feature's 16 bytes, 64 registers; ``nvfp4_words=False``, the
-        byte kernel below: 4 x 512 on 4 warps); up to four rows: 16 x 128 bytes. ``block_rows``: the weight rows of one
-        FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
+        H100), NVFP4 4 x 1024 bytes on 2 warps (``nvfp4_gemv.py``: one thread a feature's 16 bytes, 64
+        registers; ``nvfp4_words=False``, the byte kernel below: 4 x 512 on 4 warps); up to four rows: 16 x 128
+        bytes. ``block_rows``: the weight rows of one FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
         ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile: a
         measurement knob (``bench/probes/quant_kernels.py --sweep`` times candidates)."""
         one_row_fp8 = rows == 1 and fmt == WeightFormat.FP8
         if rows > 1:
             block_n, block_b, warps, fold = 16, 128, 4, 1
         else:
-            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else (4, 1024, 2, 1) if nvfp4_words \
-                else (4, 512, 4, 1)
+            nvfp4 = (4, 1024, 2, 1) if nvfp4_words else (4, 512, 4, 1)
+            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else nvfp4
         if one_row_fp8 and FP8_GEMV_TILE is not None and block_rows is None:
             block_n, block_b, warps, fold = FP8_GEMV_TILE
         if block_rows is not None:
@@ -274,7 +273,8 @@ class ScaleLayout:
     ``stride_n``, ``stride_k``) multiplies each K block's products; otherwise ``out_scale[n *
     stride_out]`` (stride 0: one value) multiplies each output feature's sum; then ``factor``. NVFP4:
     ``scale`` holds the e4m3 block scales (per 16 elements, applied per block by the kernels' NVFP4
-    path), ``out_scale`` the global scale (one, or one per row) and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
+    path), ``out_scale`` the global scale (one, or one per row) and ``factor`` the 2**14 of
+    ``e2m1_to_fp16``."""
 
     scale: torch.Tensor
     out_scale: torch.Tensor
@@ -385,4 +385,3 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_b
             **pdl.launch_options(x.device),
         )
     return out.view(*x.shape[:-1], n)
-

@@ -91,7 +91,8 @@ def check_nvfp4(weight_packed, weight_scale, weight_scale_2, what: str = "nvfp4"
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // NVFP4_GROUP):
         raise ValueError(f"{what}: weight_scale must be float8_e4m3fn of shape {(n, k // NVFP4_GROUP)}, got "
                          f"{weight_scale.dtype} of shape {tuple(weight_scale.shape)}")
-    if weight_scale_2.dtype != torch.float32 or (weight_scale_2.numel() != 1 and tuple(weight_scale_2.shape) != (n,)):
+    one_or_per_row = weight_scale_2.numel() == 1 or tuple(weight_scale_2.shape) == (n,)
+    if weight_scale_2.dtype != torch.float32 or not one_or_per_row:
         raise ValueError(f"{what}: weight_scale_2 must be one float32 value or one per row ({n},), got "
                          f"{weight_scale_2.dtype} of shape {tuple(weight_scale_2.shape)}")
     return n, k
