@@ -31,12 +31,12 @@ def rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-# 14 words a row: 3.5 groups (every launch); one block; 50 words: several wide tiles, the last ragged
-CASES = [(13, 112, name) for name in LAUNCHES] + [(6, 16, "default"), (9, 400, "wide"), (9, 400, "default")]
+# 14 words a row: 3.5 groups (every launch, fp32); one block; 50 words: several wide tiles, the last ragged
+CASES = ([(13, 112, name, torch.float32) for name in LAUNCHES] + [(13, 112, "preload", torch.float16)]
+         + [(6, 16, "default", torch.float16), (9, 400, "wide", torch.float16), (9, 400, "default", torch.float32)])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k,launch", CASES)
+@pytest.mark.parametrize("n,k,launch,dtype", CASES)
 def test_one_row_matches_the_reference(n, k, launch, dtype):
     launch = LAUNCHES[launch]
     packed, scale, scale_2 = nvfp4_weight(n, k)
