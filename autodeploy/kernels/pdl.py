@@ -44,6 +44,9 @@ class Trigger(IntEnum):
     AFTER_LOOP = 2  # after the main loop (GEMV: the weight loop; attention: at exit): only the ends overlap
 
 
+_START, _AFTER_WAIT = tl.constexpr(Trigger.START.value), tl.constexpr(Trigger.AFTER_WAIT.value)
+
+
 @functools.cache
 def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -76,3 +79,21 @@ def wait(PDL: tl.constexpr):
     """Block until the previous kernel has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def load_around_wait(ptrs, mask, empty, PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr):
+    """A kernel's first weight tile (``empty``: zeros of its shape and type), loaded before the wait where
+    ``PRELOAD`` (no kernel of the step writes weights) or after it, with the trigger where ``TRIGGER`` says
+    (``Trigger.START`` / ``AFTER_WAIT``; ``AFTER_LOOP`` is the caller's)."""
+    tile = empty
+    if PRELOAD:
+        tile = tl.load(ptrs, mask=mask, other=0)
+    if TRIGGER == _START:
+        allow_dependents(PDL)
+    wait(PDL)
+    if TRIGGER == _AFTER_WAIT:
+        allow_dependents(PDL)
+    if not PRELOAD:
+        tile = tl.load(ptrs, mask=mask, other=0)
+    return tile

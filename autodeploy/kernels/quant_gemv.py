@@ -30,8 +30,9 @@ rows. At one row its speed is bytes in flight, not issue: four adjacent products
 (``fold``) shrink the accumulator to 58 registers, 8 programs per SM instead of 6 (docs/perf.md); the weight-only tensor-core GEMM ~5.8 per FP8 weight with 16-row tiles (4.4 with 64), ~7.8 per
 NVFP4 element (decode, fp16 -> bf16, scale). At an H200's 4.2 TB/s a weight stream leaves ~8
 instructions per FP8 byte (an H100's 3.0 TB/s ~11) and ~4 per NVFP4 element: the NVFP4 kernels are
-expected issue-bound. With the activations quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma
-on e4m3 operands) spends ~1.0 per weight byte.
+expected issue-bound. One row of NVFP4 runs ``nvfp4_gemv.py``'s kernel instead of this one (4.95 per
+element against 8.81 here: no layout conversion, the packed bytes read as words). With the activations
+quantized to FP8 first, ``fp8_small_m.py`` (swap-AB, wgmma on e4m3 operands) spends ~1.0 per weight byte.
 """
 
 from __future__ import annotations
@@ -220,19 +221,21 @@ class QuantGemvLaunch:
     fold: int = 1
 
     @classmethod
-    def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1,
-               block_rows: int | None = None) -> "QuantGemvLaunch":
+    def choose(cls, fmt: WeightFormat, row_bytes: int, rows: int = 1, block_rows: int | None = None,
+               nvfp4_words: bool = True) -> "QuantGemvLaunch":
         """One row: FP8 4 features x 1024 bytes, 4 products folded (the accumulator of 4 x 256 lanes: 58
         registers, 8 programs per SM; the fold of 1 took 80 and 6, and an 8B layer's linears 7% longer on an
-        H100), NVFP4 4 x 512 bytes; up to four rows: 16 x 128 bytes. ``block_rows``: the weight rows of one
-        FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
+        H100), NVFP4 4 x 1024 bytes on 2 warps (``nvfp4_gemv.py``: one thread a feature's 16 bytes, 64
+        registers; ``nvfp4_words=False``, the byte kernel below: 4 x 512 on 4 warps); up to four rows: 16 x 128
+        bytes. ``block_rows``: the weight rows of one FP8 scale block, which ``block_n`` must divide. ``FP8_GEMV_TILE`` (set from
         ``AUTODEPLOY_FP8_GEMV_TILE="block_n,block_b,num_warps,fold"``) replaces FP8's one-row tile: a
         measurement knob (``bench/probes/quant_kernels.py --sweep`` times candidates)."""
         one_row_fp8 = rows == 1 and fmt == WeightFormat.FP8
         if rows > 1:
             block_n, block_b, warps, fold = 16, 128, 4, 1
         else:
-            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else (4, 512, 4, 1)
+            nvfp4 = (4, 1024, 2, 1) if nvfp4_words else (4, 512, 4, 1)
+            block_n, block_b, warps, fold = (4, 1024, 4, 4) if one_row_fp8 else nvfp4
         if one_row_fp8 and FP8_GEMV_TILE is not None and block_rows is None:
             block_n, block_b, warps, fold = FP8_GEMV_TILE
         if block_rows is not None:
@@ -259,6 +262,9 @@ def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
 
 
 FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
+# one row of NVFP4 takes nvfp4_gemv.py's kernel (bytes read as words, no layout conversion), unless its rows do
+# not start on a word; AUTODEPLOY_NVFP4_WORD_GEMV=0 keeps the byte kernel below: the A/B switch of its timing
+NVFP4_WORD_GEMV = os.environ.get("AUTODEPLOY_NVFP4_WORD_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,8 @@ class ScaleLayout:
     ``stride_n``, ``stride_k``) multiplies each K block's products; otherwise ``out_scale[n *
     stride_out]`` (stride 0: one value) multiplies each output feature's sum; then ``factor``. NVFP4:
     ``scale`` holds the e4m3 block scales (per 16 elements, applied per block by the kernels' NVFP4
-    path), ``out_scale`` the global scale and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
+    path), ``out_scale`` the global scale (one, or one per row) and ``factor`` the 2**14 of
+    ``e2m1_to_fp16``."""
 
     scale: torch.Tensor
     out_scale: torch.Tensor
@@ -292,8 +299,10 @@ class ScaleLayout:
     @classmethod
     def nvfp4(cls, weight_packed, weight_scale, weight_scale_2, what: str) -> "ScaleLayout":
         n, _ = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, what)
-        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0,
-                   n, ref.NVFP4_GROUP, E2M1_UNIT, False)
+        per_row = weight_scale_2.numel() == n and weight_scale_2.dim() == 1
+        global_scale = weight_scale_2 if per_row else weight_scale_2.reshape(1)
+        return cls(weight_scale, global_scale, weight_scale.stride(0), weight_scale.stride(1),
+                   global_scale.stride(0) if per_row else 0, n, ref.NVFP4_GROUP, E2M1_UNIT, False)
 
     def kernel_args(self) -> tuple:
         """The kernels' ``stride_sn, stride_sk, stride_os, scale_rows, scale_cols, out_factor``."""
@@ -324,15 +333,23 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                launch: QuantGemvLaunch | None = None) -> torch.Tensor:
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
-    ``weight_scale_2`` fp32 (one value)."""
+    ``weight_scale_2`` fp32 (one value, or one per row: fused parts with their own global scales)."""
+    from .nvfp4_gemv import launch_one_row, words_of  # (that module imports this one)
+
     scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
     n, row_bytes = weight_packed.shape
     rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
-    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
+    words = words_of(weight_packed) if rows.shape[0] == 1 and NVFP4_WORD_GEMV else None
+    launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0],
+                                              nvfp4_words=words is not None)
     if launch.fold != 1:
         raise ValueError(f"nvfp4_gemv: fold is FP8's (its products are summed per block of 16), got {launch.fold}")
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
+    if words is not None:  # one row: nvfp4_gemv.py's kernel, every value where its thread needs it
+        out = launch_one_row(rows, words, scales, bias, launch.block_n, launch.block_b // 16, launch.num_warps,
+                            launch.trigger, launch.preload)
+        return out.view(*x.shape[:-1], n)
     return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
 
 

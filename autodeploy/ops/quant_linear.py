@@ -158,15 +158,12 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
     if path == "reference":
         return nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias)
-    per_row = weight_scale_2.dim() == 1  # fused parts with their own global scales: applied to the output
-    global_scale = weight_scale_2.new_ones(()) if per_row else weight_scale_2
     if path == "gemv":
         from ..kernels.quant_gemv import nvfp4_gemv as kernel
     else:
         from ..kernels.quant_gemm import nvfp4_gemm as kernel
-    out = kernel(_rows(x), weight, weight_scale, global_scale, bias=None if per_row else bias)
-    if per_row:
-        out = (out.float() * weight_scale_2 + (bias.float() if bias is not None else 0.0)).to(x.dtype)
+    # a per-row weight_scale_2 (fused parts with their own global scales) scales each output feature in the kernel
+    out = kernel(_rows(x), weight, weight_scale, weight_scale_2, bias=bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -270,38 +270,52 @@ def main_gpu(args) -> int:
 # ----------------------------------------------------------------------------- SASS (no GPU)
 
 SASS_VARIANTS = ("fp8_gemv 1 row(s)", "fp8_gemv 4 row(s)", "fp8 weight-only 1 rows", "fp8_gemm 1 rows",
-                 "fp8_gemm 64 rows split 4", "fp8_small_m")
+                 "fp8_gemm 64 rows split 4", "fp8_small_m", "nvfp4_gemv")
 
 
-def loop_instructions(cubin: bytes, cuobjdump) -> int:
-    """SASS instructions of the kernel's longest loop (backward branch to its target): its main loop."""
+def loop_body(cubin: bytes, cuobjdump) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (backward branch to its target): its main loop."""
     sass = cuobjdump(cubin, "-sass")
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     branch = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
     loops = [(int(m.group(1), 16), addr) for addr, text in code
              if (m := branch.search(text)) and int(m.group(1), 16) <= addr]
-    return max((sum(lo <= addr <= hi for addr, _ in code) for lo, hi in loops), default=0)
+    lo, hi = max(loops, key=lambda loop: loop[1] - loop[0], default=(1, 0))
+    return [text for addr, text in code if lo <= addr <= hi]
+
+
+def tile_bytes(const: dict) -> int:
+    """The weight bytes one iteration of a variant's main loop reads (``BLOCK_G``: groups of 16 bytes)."""
+    return const["BLOCK_N"] * const.get("BLOCK_B", const.get("BLOCK_K", 16 * const.get("BLOCK_G", 0)))
 
 
 def main_sass() -> int:
     """Per sm_90 variant (as tests/kernels/compile_sm90.py compiles it): its main loop's instructions per
-    weight byte, counted per thread (a warp instruction is 32): an H100 issues ~128 per SM-cycle against
-    ~11 bytes of its copy bandwidth per SM-cycle (an H200: ~16), the ceiling of an issue-bound stream."""
+    weight byte (NVFP4: also per element), counted per thread (a warp instruction is 32), its barriers and
+    shared-memory accesses: an H100 issues ~128 per SM-cycle against ~11 bytes of its copy bandwidth per SM-cycle
+    (an H200: ~16), the ceiling of an issue-bound stream (NVFP4 at an H100's bandwidth: <= ~4.9 per element,
+    an H200's: ~3.1)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "kernels"))
     import compile_sm90 as c
     import triton
     from triton.compiler import ASTSource
 
-    print(f"{'variant (sm_90)':<44}{'loop instr':>11}{'bytes/iter':>11}{'instr/byte':>11}")
+    print(f"{'variant (sm_90)':<44}{'loop instr':>11}{'bytes/iter':>11}{'instr/byte':>11}{'per NVFP4 elem':>15}"
+          f"{'bar.sync':>9}{'sts/lds':>8}{'regs':>5}")
     for name, kernel, pointers, const, warps, stages, *options in c.variants():
         if not name.startswith(SASS_VARIANTS):
             continue
         sig, attrs = c._signature(kernel, pointers, const)
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=c.TARGET,
                                   options={"num_warps": warps, "num_stages": stages, **(options[0] if options else {})})
-        per_iter = const["BLOCK_N"] * const.get("BLOCK_B", const.get("BLOCK_K"))
-        body = loop_instructions(compiled.asm["cubin"], c._cuobjdump)
-        print(f"{name:<44}{body:>11}{per_iter:>11}{body * warps * 32 / per_iter:>11.2f}")
+        per_iter = tile_bytes(const)
+        body = loop_body(compiled.asm["cubin"], c._cuobjdump)
+        per_byte = len(body) * warps * 32 / per_iter
+        per_element = f"{per_byte / 2:.2f}" if "nvfp4" in name else "-"
+        barriers = sum(bool(re.search(r"BAR\.SYNC", text)) for text in body)
+        shared = sum(bool(re.search(r"\b(STS|LDS)", text)) for text in body)
+        print(f"{name:<44}{len(body):>11}{per_iter:>11}{per_byte:>11.2f}{per_element:>15}{barriers:>9}"
+              f"{shared:>8}{c._resources(compiled.asm['cubin'])[0]:>5}")
     return 0
 
 

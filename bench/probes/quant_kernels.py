@@ -9,7 +9,9 @@ implementation runs on weights of its format (random bf16 weights quantized on t
 codes and scales), the activation quantization included where the op quantizes (``fp8_gemm``):
 
 - ``bf16 cuBLAS`` (F.linear) and ``bf16 GEMV`` (``kernels/gemv.py``, M <= 4);
-- ``fp8_gemv channel`` / ``fp8_gemv block128`` / ``nvfp4_gemv`` (weight-only, CUDA cores, M <= 4) and
+- ``fp8_gemv channel`` / ``fp8_gemv block128`` / ``nvfp4_gemv`` (weight-only, CUDA cores, M <= 4; one row: the
+  word kernel of ``kernels/nvfp4_gemv.py``) / ``nvfp4_gemv bytes`` (the byte kernel it replaced at one row,
+  ``AUTODEPLOY_NVFP4_WORD_GEMV=0``: the A/B pair) and
   ``fp8 weight-only channel`` / ``block128`` (the same on the tensor cores, M <= 512);
 - ``scaled_mm tensor`` (static per-tensor input and weight scales, cuBLASLt) and ``scaled_mm
   rowwise`` (per-channel weight, dynamic per-token input) through ``fp8_gemm(backend="scaled_mm")``;
@@ -28,6 +30,9 @@ LM head, which stays bf16 in the quantized rows) against the weight stream's flo
 
     PYTHONPATH=bench python bench/probes/quant_kernels.py [--json PATH]   # < 4 minutes on an H100
     PYTHONPATH=bench python bench/probes/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep
+    # NVFP4 at one row, the word kernel against the byte kernel and bf16, over their tiles (~2 minutes):
+    PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --sweep \
+        --impls 'nvfp4_gemv,bf16 GEMV'
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ TOLERANCE = 1e-2
 FP8_GEMV_SWEEP = [(4, 1024, 4, 1), (4, 1024, 4, 4), (2, 2048, 4, 8), (1, 2048, 4, 16), (1, 4096, 4, 16),
                   (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4)]
 GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
+# the one-row NVFP4 word kernel (features, bytes a feature, warps): 64 registers at 4 features, 128 at 8 (sm_90)
+NVFP4_GEMV_SWEEP = [(4, 1024, 2), (4, 2048, 4), (4, 512, 1), (8, 1024, 2), (8, 512, 1), (2, 2048, 2), (2, 1024, 1)]
 TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
 
 
@@ -133,6 +140,7 @@ DECODE_STEPS = {  # the batch-1 linears of one 8B decode step: (layer impl, LM h
     "fp8 block gemv": ("fp8_gemv block128", "bf16 GEMV"),
     "fp8 block tc": ("fp8 weight-only block128", "bf16 GEMV"),
     "nvfp4 gemv": ("nvfp4_gemv", "bf16 GEMV"),
+    "nvfp4 gemv bytes": ("nvfp4_gemv bytes", "bf16 GEMV"),
     "nvfp4 tc": ("nvfp4_gemm", "bf16 GEMV"),
 }
 
@@ -204,6 +212,17 @@ def weight_bytes(t: dict) -> int:
     return sum(v.numel() * v.element_size() for v in t.values() if isinstance(v, torch.Tensor))
 
 
+def nvfp4_byte_kernel(x, t, launch=None):
+    """``nvfp4_gemv`` with the one-row word kernel switched off (``quant_gemv.NVFP4_WORD_GEMV``) for the call."""
+    from autodeploy.kernels import quant_gemv
+
+    quant_gemv.NVFP4_WORD_GEMV = False
+    try:
+        return quant_gemv.nvfp4_gemv(x, **t, launch=launch)
+    finally:
+        quant_gemv.NVFP4_WORD_GEMV = True
+
+
 def implementations() -> list[Impl]:
     from autodeploy.kernels import quant_reference as ref
     from autodeploy.kernels.gemv import gemv
@@ -226,6 +245,7 @@ def implementations() -> list[Impl]:
         Impl("fp8_gemv channel", "fp8_channel", on(fp8_gemv), weight_only, max_rows=4),
         Impl("fp8_gemv block128", "fp8_block", on(fp8_gemv), weight_only, max_rows=4),
         Impl("nvfp4_gemv", "nvfp4", on(nvfp4_gemv), weight_only, max_rows=4),
+        Impl("nvfp4_gemv bytes", "nvfp4", nvfp4_byte_kernel, weight_only, max_rows=1),
         Impl("fp8 weight-only channel", "fp8_channel", on(fp8_weight_only_gemm), weight_only, max_rows=512),
         Impl("fp8 weight-only block128", "fp8_block", on(fp8_weight_only_gemm), weight_only, max_rows=512),
         Impl("scaled_mm tensor", "fp8_tensor", on(fp8_gemm, backend="scaled_mm"), quantized),
@@ -296,7 +316,9 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
         return QuantGemvLaunch(block_n, block_b, warps, fold=fold)
 
     kernels = {"fp8_gemv channel": (fp8_gemv, FP8_GEMV_SWEEP, fp8_launch),
-               "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv": (nvfp4_gemv, NVFP4_GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv bytes": (lambda x, launch, **t: nvfp4_byte_kernel(x, t, launch), GEMV_SWEEP,
+                                    QuantGemvLaunch),
                "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
                "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}
     found = []
@@ -347,10 +369,18 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
     parser.add_argument("--sweep", action="store_true",
                         help="also the batch-1 weight-only kernels over launch configs")
+    parser.add_argument("--impls", default="", metavar="A,B",
+                        help="only the implementations whose name contains one of these (default: all)")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
     args = parser.parse_args(argv)
     args.shapes = _shapes(args.shapes, parser.error)
     return args
+
+
+def selected(impls: list[Impl], patterns: str) -> list[Impl]:
+    """The implementations whose name contains one of the comma-separated ``patterns`` (all for none)."""
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    return [i for i in impls if not wanted or any(p in i.name for p in wanted)]
 
 
 def _shapes(text: str, error) -> list[str]:
@@ -379,7 +409,7 @@ def main(argv=None) -> int:
                   copy_bytes_per_s=bandwidth)
     print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, "
           f"copy {bandwidth / 1e12:.2f} TB/s")
-    results = measure_all(args, implementations())
+    results = measure_all(args, selected(implementations(), args.impls))
     print(table(results, bandwidth))
     print("\n".join(decode_summary(results, bandwidth)))
     if args.json:

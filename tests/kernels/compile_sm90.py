@@ -48,6 +48,7 @@ from autodeploy.kernels import fp8_quantize as fq  # noqa: E402
 from autodeploy.kernels import fp8_small_m as sm  # noqa: E402
 from autodeploy.kernels import norm_quantize as nq  # noqa: E402
 from autodeploy.kernels import quant_gemm as qm  # noqa: E402
+from autodeploy.kernels import nvfp4_gemv as nv  # noqa: E402
 from autodeploy.kernels import quant_gemv as qg  # noqa: E402
 from autodeploy.kernels.paged_attention_blocks import ROPE_HALF, ROPE_INTERLEAVED  # noqa: E402
 from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
@@ -55,7 +56,7 @@ from autodeploy.kernels.attention_config import AttentionLaunch  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 FLOAT_ARGS = {"scale", "softcap", "eps", "k_scale", "v_scale", "out_factor"}
-DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes"}  # hidden / intermediate sizes: multiples of 16 in real models
+DIVISIBLE_INTS = {"n_cols", "N", "K", "row_bytes", "row_words"}  # hidden / intermediate sizes: multiples of 16 in real models
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
@@ -244,8 +245,9 @@ def _mla_variants():
 def _quant_variants():
     """The quantized linears' launches as chosen by default at the 8B shapes: the weight-only GEMVs (CUDA
     cores, 1 and 4 rows), the GEMMs at 1, 64 and 4096 rows, the activation quantizers."""
-    def gemv_variant(fmt, rows, block_scaled=False):
-        launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows)
+    def gemv_variant(fmt, rows, block_scaled=False, nvfp4_words=True):
+        launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows,
+                                           nvfp4_words=nvfp4_words)
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                     "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
         const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
@@ -273,9 +275,11 @@ def _quant_variants():
         name = f"{name} {rows} rows{' block' if block_scaled else ''}{f' split {split}' if split > 1 else ''}"
         return name, kernel, pointers, const, launch.num_warps, launch.num_stages
 
+    yield gemv_variant(qg.WeightFormat.FP8, 1)
+    yield _nvfp4_one_row_variant()
+    yield ("nvfp4_gemv bytes 1 row (fallback)", *gemv_variant(qg.WeightFormat.NVFP4, 1, nvfp4_words=False)[1:])
     for fmt in qg.WeightFormat:
-        for rows in (1, 4):
-            yield gemv_variant(fmt, rows)
+        yield gemv_variant(fmt, 4)
     yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True)
     for rows in (1, 64, 4096):
         yield gemm_variant(qg.WeightFormat.NVFP4, rows)
@@ -297,6 +301,17 @@ def _quant_variants():
     for step, block in ((nq.Step.ADD_RMS_NORM, 4096), (nq.Step.GATED, 16384)):  # the 8B shape's hidden and MLP
         yield (f"norm_quantize {step.name.lower()}", nq._step_quantize_kernel, steps,
                dict(STEP=int(step), ACTIVATION=0, STATIC=False, BLOCK=block, PDL=True), min(16, max(4, block // 1024)), 1)
+
+
+def _nvfp4_one_row_variant():
+    """The one-row NVFP4 GEMV of ``nvfp4_gemv.py`` as ``nvfp4_gemv`` launches it at the 8B shapes (scales with a
+    K stride of 1: the JIT makes it a constant)."""
+    launch = qg.QuantGemvLaunch.choose(qg.WeightFormat.NVFP4, 2048)
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
+                "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    const = dict(stride_sk=1, HAS_BIAS=False, BLOCK_N=launch.block_n, BLOCK_G=launch.block_b // 16, PDL=True,
+                 TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True, X_PAIRS=True)
+    return "nvfp4_gemv 1 row(s)", nv._nvfp4_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
 
 def _small_m_variants():

@@ -7,6 +7,7 @@ the mantissa is lost), which only the activation quantizer would meet: ``test_qu
 
 import pytest
 import torch
+from ptx_emulator import run_ptx
 
 from autodeploy.kernels import quant_reference as ref
 from autodeploy.kernels.pdl import Trigger
@@ -98,7 +99,7 @@ def test_a_tile_from_the_environment_replaces_fp8s_one_row_tile(monkeypatch):
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(1, 4096, 4, fold=16)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(1, 64, 4, fold=16)  # a short row
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)  # one row only
-    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
+    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 1024, 2)
     for bad in ("4,1024", "4,1024,4,1,6", "a,b,c,d"):
         with pytest.raises(ValueError, match="expected block_n,block_b,num_warps,fold"):
             quant_gemv._tile_from_env(bad)
@@ -150,7 +151,7 @@ def test_leading_dimensions_strided_rows_and_no_rows():
 
 def test_default_launches_fit_the_shapes():
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(4, 1024, fold=4)
-    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 512)
+    assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 1024, 2)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(4, 64, fold=4)  # a short row: one tile
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4, block_rows=12).block_n == 4  # divides 12
@@ -210,32 +211,6 @@ def test_nvfp4_gemv_refuses_bad_inputs(bad, message):
         nvfp4_gemv(args["x"], args["packed"], args["scale"], args["scale_2"], launch=args["launch"])
 
 
-def _run_ptx(text: str, word: int) -> list[int]:
-    """The output registers $0-$3 of E2M1_ASM's PTX for input word $4 (prmt, shl, and, lop3 only)."""
-    regs = {"$4": word}
-
-    def value(token):
-        return regs[token] if token in regs else int(token, 0)
-
-    def prmt(a, b, selector):
-        source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-        return sum(source[(selector >> 4 * i) & 7] << 8 * i for i in range(4))
-
-    def lop3(a, b, c, lut):
-        bits = ((((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | (c >> i) & 1, i) for i in range(32))
-        return sum(((lut >> index) & 1) << i for index, i in bits)
-
-    ops = {"prmt.b32": prmt, "shl.b32": lambda a, n: (a << n) & 0xFFFFFFFF, "and.b32": lambda a, b: a & b,
-           "lop3.b32": lop3}
-    for line in text.strip().strip("{}").splitlines():
-        line = line.strip().rstrip(";")
-        if line and not line.startswith(".reg"):
-            op, args = line.split(None, 1)
-            dst, *sources = (a.strip() for a in args.split(","))
-            regs[dst] = ops[op](*map(value, sources))
-    return [regs[f"${i}"] for i in range(4)]
-
-
 def test_the_gpu_e2m1_decode_emulated_matches_the_e2m1_table():
     """E2M1_ASM (the PTX the GPU runs instead of e2m1_to_fp16) on every byte in every position of its
     32-bit word: low nibbles of bytes 0-3 in $0-$1, high nibbles in $2-$3, fp16 times 2**-14."""
@@ -246,7 +221,8 @@ def test_the_gpu_e2m1_decode_emulated_matches_the_e2m1_table():
 
     for byte in range(256):
         word_bytes = [byte, (byte * 7 + 3) & 255, (byte * 13 + 5) & 255, 255 - byte]
-        out = _run_ptx(E2M1_ASM.value, sum(b << 8 * i for i, b in enumerate(word_bytes)))
+        regs = run_ptx(E2M1_ASM.value, {"$4": sum(b << 8 * i for i, b in enumerate(word_bytes))})
+        out = [regs[f"${i}"] for i in range(4)]
         halves = [fp16((out[r] >> 16 * h) & 0xFFFF) for r in range(4) for h in range(2)]
         for i, b in enumerate(word_bytes):
             for got, code in ((halves[i], b & 15), (halves[4 + i], b >> 4)):

@@ -12,7 +12,7 @@ import torch
 from autodeploy.kernels import quant_reference as ref
 from autodeploy.kernels.fp8_small_m import fp8_small_m_gemm
 from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_quantize, nvfp4_gemm
-from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
+from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
 
 from test_quant_gemv import fp8_scale, fp8_weight, nvfp4_weight, rel_err
 
@@ -46,6 +46,40 @@ def test_nvfp4_gemv(m):
                                      torch.randn(m, 4096, dtype=torch.bfloat16))
     got = nvfp4_gemv(x, packed, scale, scale_2)
     assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < BF16
+
+
+@pytest.mark.parametrize("n,k", [(4096 + 48, 4096), (1000, 4000), (96, 14336)])  # ragged N; 3.9 tiles; 7 tiles
+@pytest.mark.parametrize("launch", [None, QuantGemvLaunch(8, 512, 1), QuantGemvLaunch(2, 2048, 2)],
+                         ids=["default", "8x512", "2x2048"])
+def test_nvfp4_one_row_word_kernel(n, k, launch):
+    """The one-row kernel of nvfp4_gemv.py (E2M1_WORD_ASM, bf16 pairs widened by PTX) on activations spanning
+    1e-3..1e4 (outliers an fp16 sum would not hold), with a bias."""
+    x = torch.randn(1, k) * torch.logspace(-3, 4, k)[torch.randperm(k)]
+    packed, scale, scale_2, x, bias = cuda(*nvfp4_weight(n, k), x.bfloat16(), torch.randn(n, dtype=torch.bfloat16))
+    got = nvfp4_gemv(x, packed, scale, scale_2, bias, launch=launch)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, bias)) < BF16
+
+
+def test_nvfp4_one_row_activations_off_a_word_boundary():
+    """bf16 activations 2 bytes past a 4-byte boundary: read one at a time, not as pairs."""
+    packed, scale, scale_2 = cuda(*nvfp4_weight(512, 4096))
+    x = torch.randn(1, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:]
+    assert x.data_ptr() % 4 == 2
+    got = nvfp4_gemv(x, packed, scale, scale_2)
+    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2)) < BF16
+
+
+def test_nvfp4_one_row_every_byte_and_scale_exactly():
+    packed = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * p) for p in range(8)], 1)
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().abs().nan_to_num(1.0)
+    scale = finite.to(torch.float8_e4m3fn)[torch.randperm(256)].reshape(256, 1)
+    packed, scale, scale_2 = cuda(packed, scale, torch.tensor(0.75))
+    want = ref.dequantize_nvfp4(packed, scale, scale_2)
+    for element in range(16):
+        x = torch.zeros(1, 16, device="cuda", dtype=torch.bfloat16)
+        x[0, element] = 1.0
+        got = nvfp4_gemv(x.float(), packed, scale, scale_2)  # fp32 out: the exact dequantized value
+        torch.testing.assert_close(got[0], want[:, element], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kwargs", [{"scale": 0.05}, {}, {"group_size": 128}],
