@@ -46,7 +46,9 @@ import triton.language as tl
 
 from . import pdl
 from . import quant_reference as ref
-from .gemv import MAX_ROWS, _accumulate
+from .activation import ACTIVATION_IDS
+from .gemv import (MAX_ROWS, NO_PROLOGUE, GemvPrologue, Prologue, _accumulate, _inverse_rms, _normalize_rows,
+                   _operand, operand_columns, two_pass)
 from .pdl import Trigger
 
 E2M1_UNIT = 16384.0  # e2m1_to_fp16 returns the value times 2**-14
@@ -107,16 +109,14 @@ def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.const
 
 
 @triton.jit
-def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn,
-                   stride_sk, block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                   E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
+def _tile_products(acc, w, x, scale_ptr, cols, col_ok, b0, K, stride_sn, stride_sk, block_row, scale_cols,
+                   FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_B: tl.constexpr, E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
     """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
-    as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
+    as zeros, which no float8 ``other`` can say) from byte column ``b0`` with the operand ``x`` (fp32
+    [BLOCK_M, the tile's elements], zero past K)."""
     bs = b0 + tl.arange(0, BLOCK_B)
     if FORMAT == FP8:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + bs[None, :], mask=row_ok[:, None] & (bs < K)[None, :],
-                    other=0.0).to(tl.float32)
         if BLOCK_SCALED:  # the scale of (this program's row block, each column's K block)
             k_scale = tl.load(scale_ptr + block_row * stride_sn + (bs // scale_cols) * stride_sk, mask=bs < K,
                               other=0.0)
@@ -130,9 +130,6 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
         # NVFP4: bytes -> elements in order (low nibble first), products summed per block of 16
         # elements, each sum times its block's e4m3 scale: one multiply and one accumulator per block
         w = e2m1_pairs_to_fp16(w, BLOCK_N, BLOCK_B, E2M1_PTX)
-        ks = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
-                    other=0.0).to(tl.float32)
         blocks = b0 // 8 + tl.arange(0, BLOCK_B // 8)
         scale = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :] * stride_sk,
                         mask=col_ok[:, None] & (blocks * 16 < K)[None, :], other=0.0).to(tl.float32)
@@ -146,10 +143,13 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
 
 
 @triton.jit
-def _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, stride_om, stride_os,
-                    out_factor, BLOCK_M: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The features ``cols`` of every row from their accumulator: lanes summed, scaled, bias added, stored."""
+def _store_features(acc, sumsq, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, K, stride_om,
+                    stride_os, out_factor, eps, BLOCK_M: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, TWO_PASS: tl.constexpr):
+    """The features ``cols`` of every row from their accumulator: lanes summed, scaled (by the norm's
+    1/rms too), bias added, stored."""
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
+    out = _normalize_rows(out, sumsq, K, eps, PROLOGUE, TWO_PASS)
     if not BLOCK_SCALED:  # a per-tensor (stride 0) or per-channel FP8 scale, or the NVFP4 global scale
         out *= tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0)[None, :]
     out *= out_factor
@@ -161,13 +161,13 @@ def _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, c
 
 @triton.jit(do_not_specialize=["M"])
 def _quant_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, row_bytes, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows,
-    scale_cols, out_factor,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, sum_ptr,
+    M, N, K, row_bytes, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_sn, stride_sk, stride_os,
+    scale_rows, scale_cols, out_factor, eps,
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
-    FOLD: tl.constexpr = 1,
+    FOLD: tl.constexpr = 1, PROLOGUE: tl.constexpr = 0, ACTIVATION: tl.constexpr = 0, TWO_PASS: tl.constexpr = False,
 ):
     tl.static_assert(FOLD == 1 or (BLOCK_M == 1 and FORMAT == FP8), "FOLD: FP8 at one row")
     pid = tl.program_id(0)
@@ -193,17 +193,26 @@ def _quant_gemv_kernel(
         w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
     lanes_acc: tl.constexpr = BLOCK_B // FOLD if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
     acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
+    # the operand: one element per FP8 byte, two per NVFP4 byte, the prologue applied as gemv.py applies it
+    ELEMENTS: tl.constexpr = BLOCK_B if FORMAT == FP8 else 2 * BLOCK_B
+    elements = tl.arange(0, ELEMENTS)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TWO_PASS:
+        rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm, PROLOGUE, BLOCK_M, ELEMENTS)
+    sumsq = tl.zeros([BLOCK_M, ELEMENTS], dtype=tl.float32)
     for b0 in range(0, row_bytes, BLOCK_B):
         w = w_next
         bs = b0 + BLOCK_B + lanes  # past the row on the last iteration: masked, nothing read
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
-        acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
-                             stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M,
-                             BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
+        ks = b0 * (ELEMENTS // BLOCK_B) + elements
+        x, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :], K,
+                            rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
+        acc = _tile_products(acc, w, x.to(tl.float32), scale_ptr, cols, col_ok, b0, K, stride_sn, stride_sk,
+                             block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M, BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
-    _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, stride_om, stride_os,
-                    out_factor, BLOCK_M, BLOCK_SCALED, HAS_BIAS)
+    _store_features(acc, sumsq, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, K, stride_om, stride_os,
+                    out_factor, eps, BLOCK_M, BLOCK_SCALED, HAS_BIAS, PROLOGUE, TWO_PASS)
 
 
 @dataclass(frozen=True)
@@ -307,16 +316,24 @@ def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     ``weight_fp8`` float8_e4m3fn [N, K]; ``weight_scale`` fp32 per tensor, per channel ([N]) or per
     block ([ceil(N / bn), ceil(K / bk)] with ``block_size=(bn, bk)``); the result has x's dtype.
     """
+    return fp8_prologue_gemv(x, weight_fp8, weight_scale, block_size, bias, launch=launch)[0]
+
+
+def fp8_prologue_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
+                      bias: torch.Tensor | None = None, *, prologue: GemvPrologue = NO_PROLOGUE,
+                      launch: QuantGemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(fp8_gemv(prologue(x), ...), x + residual or None)``: x [..., 2K] for ``GATED``, else [..., K]."""
     scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_gemv")
     n, k = weight_fp8.shape
-    rows = _rows(x, k, bias, n, "fp8_gemv")
+    rows = _rows(x, operand_columns(k, prologue.kind), bias, n, "fp8_gemv")
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
     launch.check(rows.shape[0], "fp8_gemv")
     if scales.block_scaled and scales.rows % launch.block_n:
         raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
                          f"{scales.rows} rows")
-    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch)
+    weight = weight_fp8.view(torch.uint8)
+    return _launch(x, rows, weight, scales, bias, WeightFormat.FP8, k, launch, prologue, "fp8_gemv")
 
 
 def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -325,15 +342,24 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
     ``weight_scale_2`` fp32 (one value)."""
+    return nvfp4_prologue_gemv(x, weight_packed, weight_scale, weight_scale_2, bias, launch=launch)[0]
+
+
+def nvfp4_prologue_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        prologue: GemvPrologue = NO_PROLOGUE,
+                        launch: QuantGemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(nvfp4_gemv(prologue(x), ...), x + residual or None)``: x [..., 2K] for ``GATED``, else [..., K]."""
     scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
     n, row_bytes = weight_packed.shape
-    rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
+    rows = _rows(x, operand_columns(2 * row_bytes, prologue.kind), bias, n, "nvfp4_gemv")
     launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0])
     if launch.fold != 1:
         raise ValueError(f"nvfp4_gemv: fold is FP8's (its products are summed per block of 16), got {launch.fold}")
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
-    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
+    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, 2 * row_bytes, launch, prologue,
+                   "nvfp4_gemv")
 
 
 def e2m1_ptx(device: torch.device) -> bool:
@@ -342,29 +368,32 @@ def e2m1_ptx(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
-    """x as [M, K] rows with unit column stride, after the checks every GEMV shares."""
-    ref.check_activations(x, k, what)
+def _rows(x: torch.Tensor, columns: int, bias, n: int, what: str) -> torch.Tensor:
+    """x as [M, columns] rows with unit column stride, after the checks every GEMV shares."""
+    ref.check_activations(x, columns, what)
     ref.check_bias(bias, n, what)
-    rows = x.reshape(-1, k)
+    rows = x.reshape(-1, columns)
     if rows.shape[0] > MAX_ROWS:
         raise ValueError(f"{what} takes at most {MAX_ROWS} rows, got {rows.shape[0]}")
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_bytes: int,
-            launch: QuantGemvLaunch) -> torch.Tensor:
+def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, k: int, launch: QuantGemvLaunch,
+            prologue: GemvPrologue, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, n = rows.shape[0], weight.shape[0]
+    res, norm_w, summed = prologue.tensors(rows, k, what)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
-            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
-            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0),
-            *scales.kernel_args(),
+            rows, res, norm_w, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, summed,
+            m, n, k, weight.shape[1], rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0),
+            *scales.kernel_args(), float(prologue.eps),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
             TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device), FOLD=launch.fold,
-            num_warps=launch.num_warps, num_stages=1,
+            PROLOGUE=int(prologue.kind), ACTIVATION=ACTIVATION_IDS[prologue.activation],
+            TWO_PASS=two_pass(rows.dtype, prologue.kind), num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )
-    return out.view(*x.shape[:-1], n)
+    summed = summed.view(x.shape) if prologue.kind == Prologue.ADD_RMS_NORM else None
+    return out.view(*x.shape[:-1], n), summed

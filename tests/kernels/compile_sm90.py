@@ -244,14 +244,19 @@ def _mla_variants():
 def _quant_variants():
     """The quantized linears' launches as chosen by default at the 8B shapes: the weight-only GEMVs (CUDA
     cores, 1 and 4 rows), the GEMMs at 1, 64 and 4096 rows, the activation quantizers."""
-    def gemv_variant(fmt, rows, block_scaled=False):
+    def gemv_variant(fmt, rows, block_scaled=False, prologue=gemv.Prologue.NONE, dtype="bf16"):
         launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows)
-        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                    "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+        pointers = {n: f"*{dtype}" for n in ("x_ptr", "res_ptr", "norm_w_ptr", "bias_ptr", "out_ptr", "sum_ptr")}
+        pointers.update({"w_ptr": "*u8", "out_scale_ptr": "*fp32",
+                         "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"})
         const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
                      BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
-                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold)
-        name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
+                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold, PROLOGUE=int(prologue), ACTIVATION=0,
+                     TWO_PASS=dtype == "fp16" and prologue in (gemv.Prologue.RMS_NORM, gemv.Prologue.ADD_RMS_NORM))
+        step = {gemv.Prologue.NONE: "", gemv.Prologue.RMS_NORM: " norm", gemv.Prologue.ADD_RMS_NORM: " add+norm",
+                gemv.Prologue.GATED: " gated silu"}[prologue]
+        name = f"{fmt.name.lower()}_gemv{step} {rows} row(s){' block' if block_scaled else ''}"
+        name += f" {dtype}" if dtype != "bf16" else ""
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
     def gemm_variant(fmt, rows, block_scaled=False, split=1):
@@ -277,6 +282,13 @@ def _quant_variants():
         for rows in (1, 4):
             yield gemv_variant(fmt, rows)
     yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True)
+    # the norm / activation folded into the operand loads (quant_linear's fused ops at the "gemv" path)
+    for fmt in qg.WeightFormat:
+        for prologue in (gemv.Prologue.RMS_NORM, gemv.Prologue.ADD_RMS_NORM, gemv.Prologue.GATED):
+            for rows in (1, 4):
+                yield gemv_variant(fmt, rows, prologue=prologue)
+    yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True, prologue=gemv.Prologue.ADD_RMS_NORM)
+    yield gemv_variant(qg.WeightFormat.FP8, 1, prologue=gemv.Prologue.ADD_RMS_NORM, dtype="fp16")
     for rows in (1, 64, 4096):
         yield gemm_variant(qg.WeightFormat.NVFP4, rows)
         for fmt in (None, qg.WeightFormat.FP8):
