@@ -87,7 +87,17 @@ def _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, mask, K, rstd, sumsq
     norm_w = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if TWO_PASS:
         return (xf * rstd[:, None] * norm_w).to(dtype), sumsq
-    return (xf * norm_w).to(dtype), sumsq + xf * xf
+    return (xf * norm_w).to(dtype), _add_squares(sumsq, xf)
+
+
+@triton.jit
+def _add_squares(sumsq, xf):
+    """sumsq + x^2, each lane of ``sumsq`` taking adjacent lanes of x where it has fewer (a smaller
+    accumulator: the quantized GEMV's registers)."""
+    if sumsq.shape[1] == xf.shape[1]:
+        return sumsq + xf * xf
+    fold: tl.constexpr = xf.shape[1] // sumsq.shape[1]
+    return sumsq + tl.sum(tl.reshape(xf * xf, [xf.shape[0], sumsq.shape[1], fold]), 2)
 
 
 @triton.jit

@@ -60,6 +60,8 @@ class WeightFormat(IntEnum):
 
 
 FP8, NVFP4 = (tl.constexpr(f.value) for f in WeightFormat)
+ADD_RMS_NORM = tl.constexpr(Prologue.ADD_RMS_NORM.value)
+SQUARES_FOLD = tl.constexpr(8)  # adjacent x^2 summed in the thread: the RMSNorm's accumulator, 1/8 of the lanes
 START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
 
 
@@ -199,14 +201,20 @@ def _quant_gemv_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TWO_PASS:
         rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm, PROLOGUE, BLOCK_M, ELEMENTS)
-    sumsq = tl.zeros([BLOCK_M, ELEMENTS], dtype=tl.float32)
+    # x^2 per (row, SQUARES_FOLD adjacent lanes): an accumulator of a register or two
+    sumsq = tl.zeros([BLOCK_M, ELEMENTS // SQUARES_FOLD], dtype=tl.float32)
+    if PROLOGUE == ADD_RMS_NORM:  # x + residual, written before the loop (in it: 9 more registers), a tile a program
+        for k0 in range(pid * ELEMENTS, K, tl.num_programs(0) * ELEMENTS):
+            ks = k0 + elements
+            _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :], K, rstd,
+                     sumsq, True, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
     for b0 in range(0, row_bytes, BLOCK_B):
         w = w_next
         bs = b0 + BLOCK_B + lanes  # past the row on the last iteration: masked, nothing read
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
         ks = b0 * (ELEMENTS // BLOCK_B) + elements
         x, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :], K,
-                            rstd, sumsq, pid == 0, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
+                            rstd, sumsq, False, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
         acc = _tile_products(acc, w, x.to(tl.float32), scale_ptr, cols, col_ok, b0, K, stride_sn, stride_sk,
                              block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M, BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
     if TRIGGER == AFTER_LOOP:

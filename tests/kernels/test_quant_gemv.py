@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from autodeploy.kernels import quant_reference as ref
+from autodeploy.kernels.gemv import GemvPrologue, Prologue
 from autodeploy.kernels.pdl import Trigger
-from autodeploy.kernels.quant_gemv import QuantGemvLaunch, WeightFormat, fp8_gemv, nvfp4_gemv
+from autodeploy.kernels.quant_gemv import (QuantGemvLaunch, WeightFormat, fp8_gemv, fp8_prologue_gemv, nvfp4_gemv,
+                                           nvfp4_prologue_gemv)
+from autodeploy.ops.mlp import ACTIVATIONS
+from autodeploy.ops.norm import rms_norm_reference
 
 DTYPES = [torch.float32, torch.float16]
 # several programs and byte tiles, a ragged last tile; the first tile before the (GPU-only) PDL wait or not
@@ -136,6 +140,84 @@ def test_every_nvfp4_byte_and_scale_dequantizes_exactly():
     got = nvfp4_gemv(torch.eye(16)[:2], packed, scale, scale_2, launch=SMALL)
     want = ref.dequantize_nvfp4(packed, scale, scale_2)[:, :2].t()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# The norm / activation folded into the operand loads, against the composition the ops define: the step's
+# torch reference (rounded to x's dtype), then the weight-only reference. Per weight kind: (rows, launch, K).
+PROLOGUE_WEIGHTS = {
+    "fp8-tensor": (1, FOLDED, 200), "fp8-channel": (3, SMALL, 80), "fp8-block": (1, FOLDED, 80),
+    "nvfp4": (3, SMALL, 112),
+}
+
+
+def prologue_weights(kind, n, k):
+    """(the prologue GEMV on x, its bias and prologue; the weight-only reference on the operand, bias)."""
+    if kind == "nvfp4":
+        packed, scale, scale_2 = nvfp4_weight(n, k)
+        return (lambda x, b, p, launch: nvfp4_prologue_gemv(x, packed, scale, scale_2, b, prologue=p, launch=launch),
+                lambda a, b: ref.nvfp4_linear_reference(a, packed, scale, scale_2, b))
+    weight = fp8_weight(n, k)
+    scale, block = fp8_scale(kind.removeprefix("fp8-"), n, k, block=(2, 32))
+    return (lambda x, b, p, launch: fp8_prologue_gemv(x, weight, scale, block, b, prologue=p, launch=launch),
+            lambda a, b: ref.fp8_weight_only_reference(a, weight, scale, block, b))
+
+
+@pytest.mark.parametrize("kind", sorted(PROLOGUE_WEIGHTS))
+@pytest.mark.parametrize("dtype", DTYPES)  # fp16: the norm's 1/rms in a first pass (gemv.two_pass)
+@pytest.mark.parametrize("step", [Prologue.RMS_NORM, Prologue.ADD_RMS_NORM, Prologue.GATED], ids=lambda p: p.name)
+def test_prologue_gemv_is_the_step_then_the_weight_only_linear(kind, dtype, step):
+    m, launch, k = PROLOGUE_WEIGHTS[kind]
+    n = 36  # features: a ragged last program of 8 (SMALL), and 18 programs of 2 (FOLDED)
+    run, reference = prologue_weights(kind, n, k)
+    x = (torch.randn(1, m, 2 * k if step == Prologue.GATED else k) * 3).to(dtype)  # rows far from unit RMS
+    residual, norm_w = torch.randn(1, m, k).to(dtype), (1 + 0.1 * torch.randn(k)).to(dtype)
+    if step == Prologue.GATED:
+        gate, up = x.float().chunk(2, dim=-1)
+        operand, want_sum = (ACTIVATIONS["gelu_tanh"](gate) * up).to(dtype), None  # act_mul rounds once
+        prologue = GemvPrologue(step, activation="gelu_tanh")
+    else:
+        want_sum = x + residual if step == Prologue.ADD_RMS_NORM else None
+        operand = rms_norm_reference(x if want_sum is None else want_sum, norm_w, 1e-5)
+        prologue = GemvPrologue(step, residual if want_sum is not None else None, norm_w, 1e-5)
+    for bias in (None, torch.randn(n).to(dtype)):
+        out, summed = run(x, bias, prologue, launch)
+        assert out.shape == (1, m, n) and out.dtype == dtype
+        assert rel_err(out, reference(operand, bias)) < bound(dtype)
+        if want_sum is None:
+            assert summed is None
+        else:  # x + residual rounded once, written whole
+            torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
+def test_the_sum_is_written_whole_by_fewer_programs_than_its_tiles():
+    """One program (8 features) and K of four 32-element tiles: x + residual by a grid-stride loop."""
+    weight, scale = fp8_weight(8, 128), torch.tensor(0.02)
+    x, residual, norm_w = torch.randn(2, 128), torch.randn(2, 128), torch.rand(128) + 0.5
+    out, summed = fp8_prologue_gemv(x, weight, scale, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, residual, norm_w,
+                                                                             1e-6), launch=SMALL)
+    torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+    want = ref.fp8_weight_only_reference(rms_norm_reference(x + residual, norm_w, 1e-6), weight, scale)
+    assert rel_err(out, want) < 1e-5
+
+
+BAD_PROLOGUES = [
+    (GemvPrologue(Prologue.RMS_NORM), "RMS_NORM needs a norm weight of 32 elements, got None"),
+    (GemvPrologue(Prologue.RMS_NORM, norm_weight=torch.ones(16)), r"of 32 elements, got \(16,\)"),
+    (GemvPrologue(Prologue.ADD_RMS_NORM, norm_weight=torch.ones(32)), "needs a residual shaped and typed as x"),
+    (GemvPrologue(Prologue.ADD_RMS_NORM, torch.ones(1, 32, dtype=torch.float16), torch.ones(32)), "typed as x"),
+    (GemvPrologue(Prologue.GATED), "expects 64 input features"),  # gate and up: 2K columns
+]
+
+
+@pytest.mark.parametrize("prologue,message", BAD_PROLOGUES)
+def test_prologue_gemv_refuses_inputs_that_do_not_fit(prologue, message):
+    packed, scale, scale_2 = nvfp4_weight(8, 32)
+    for run in (lambda: fp8_prologue_gemv(torch.randn(1, 32), fp8_weight(8, 32), torch.tensor(1.0), prologue=prologue),
+                lambda: nvfp4_prologue_gemv(torch.randn(1, 32), packed, scale, scale_2, prologue=prologue)):
+        with pytest.raises(ValueError, match=message):
+            run()
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        GemvPrologue(Prologue.GATED, activation="relu")
 
 
 def test_leading_dimensions_strided_rows_and_no_rows():
