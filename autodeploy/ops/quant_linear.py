@@ -53,6 +53,9 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # (~1.1 SASS instructions per weight byte in its sm_90 loop against ~6.7 for the FP8 GEMV, ~5.8 for the
 # weight-only GEMM); off until timed on a GPU (bench/probes/fp8_small_m.py): the switch of the A/B runs
 FP8_SMALL_M_MAX_ROWS = int(os.environ.get("AUTODEPLOY_FP8_SMALL_M_MAX_ROWS", "0"))
+# the fused ops' norm / activation folded into the GEMV's operand loads at the "gemv" path (one launch, not two);
+# AUTODEPLOY_QUANT_GEMV_PROLOGUE=0 runs it as its own kernel before the GEMV (the A/B of the GPU timing)
+QUANT_GEMV_PROLOGUE = os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE", "1") != "0"
 
 
 def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none",
@@ -154,20 +157,67 @@ def _static(input_scale, activations: str):
     return input_scale if activations == "static" else None
 
 
+def _nvfp4_path(x: torch.Tensor) -> str:
+    return quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
+
+
 def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
-    path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
+    path = _nvfp4_path(x)
     if path == "reference":
         return nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias)
-    per_row = weight_scale_2.dim() == 1  # fused parts with their own global scales: applied to the output
-    global_scale = weight_scale_2.new_ones(()) if per_row else weight_scale_2
     if path == "gemv":
         from ..kernels.quant_gemv import nvfp4_gemv as kernel
     else:
         from ..kernels.quant_gemm import nvfp4_gemm as kernel
-    out = kernel(_rows(x), weight, weight_scale, global_scale, bias=None if per_row else bias)
-    if per_row:
-        out = (out.float() * weight_scale_2 + (bias.float() if bias is not None else 0.0)).to(x.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    global_scale, kernel_bias = _kernel_global_scale(weight_scale_2, bias)
+    out = kernel(_rows(x), weight, weight_scale, global_scale, bias=kernel_bias)
+    return _per_row_scaled(out, weight_scale_2, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _kernel_global_scale(weight_scale_2, bias):
+    """(global scale, bias) for the NVFP4 kernels, which take one global scale: 1 and no bias where fused parts
+    kept their own (``[N]``), which ``_per_row_scaled`` then applies to the output."""
+    return (weight_scale_2.new_ones(()), None) if weight_scale_2.dim() == 1 else (weight_scale_2, bias)
+
+
+def _per_row_scaled(out, weight_scale_2, bias) -> torch.Tensor:
+    if weight_scale_2.dim() != 1:
+        return out
+    return (out.float() * weight_scale_2 + (bias.float() if bias is not None else 0.0)).to(out.dtype)
+
+
+def _folds_step(path: str) -> bool:
+    """Whether a fused op runs its norm / activation in the quantized GEMV's operand loads (``gemv.Prologue``):
+    at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
+    return path == "gemv" and QUANT_GEMV_PROLOGUE
+
+
+def _step(kind: str, **inputs):
+    """The ``GemvPrologue`` of one fused op's step: ``RMS_NORM``, ``ADD_RMS_NORM`` or ``GATED``."""
+    from ..kernels.gemv import GemvPrologue, Prologue
+
+    return GemvPrologue(Prologue[kind], **inputs)
+
+
+def _fp8_with_step(x, step, weight, weight_scale, bias, block_size):
+    """``(fp8 linear of step(x), x + residual or None)``: one GEMV launch."""
+    from ..kernels.quant_gemv import fp8_prologue_gemv
+
+    return fp8_prologue_gemv(x, weight, weight_scale, _block(block_size), bias, prologue=step)
+
+
+def _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias):
+    """``(nvfp4 linear of step(x), x + residual or None)``: one GEMV launch (+ per-row global scales)."""
+    from ..kernels.quant_gemv import nvfp4_prologue_gemv
+
+    global_scale, kernel_bias = _kernel_global_scale(weight_scale_2, bias)
+    out, summed = nvfp4_prologue_gemv(x, weight, weight_scale, global_scale, kernel_bias, prologue=step)
+    return _per_row_scaled(out, weight_scale_2, bias), summed
+
+
+def _sum_fits(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the GEMV can add the residual (it writes x + residual in x's dtype and shape)."""
+    return residual.shape == x.shape and residual.dtype == x.dtype
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -198,6 +248,9 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
+    if _folds_step(_fp8_path(x, activations, block_size)):
+        step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
+        return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(x, activations, block_size):
         from ..kernels.norm_quantize import rms_norm_quantize
 
@@ -217,6 +270,9 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    if _folds_step(_fp8_path(x, activations, block_size)) and _sum_fits(x, residual):
+        step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
+        return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)
     if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
         from ..kernels.norm_quantize import rms_norm_quantize
 
@@ -237,6 +293,9 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
+    if _folds_step(_fp8_path(gate_up, activations, block_size)):
+        step = _step("GATED", activation=activation)
+        return _fp8_with_step(gate_up, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(gate_up, activations, block_size):
         from ..kernels.norm_quantize import act_mul_quantize
 
@@ -270,6 +329,9 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if _folds_step(_nvfp4_path(x)):
+        step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
+        return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)[0]
     return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
 
 
@@ -282,6 +344,9 @@ def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _folds_step(_nvfp4_path(x)) and _sum_fits(x, residual):
+        step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
+        return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return _nvfp4(normed, weight, weight_scale, weight_scale_2, bias), summed
 
@@ -295,6 +360,9 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=
 def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                       activation: str = "silu") -> torch.Tensor:
+    if _folds_step(_nvfp4_path(gate_up)):
+        return _nvfp4_with_step(gate_up, _step("GATED", activation=activation), weight, weight_scale, weight_scale_2,
+                                bias)[0]
     gate, up = gate_up.chunk(2, dim=-1)
     return _nvfp4(gated_activation(gate, up, activation), weight, weight_scale, weight_scale_2, bias)
 

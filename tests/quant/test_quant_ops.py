@@ -211,3 +211,58 @@ def test_small_m_switch_runs_every_fp8_op_on_the_swap_ab_kernel(small_m_calls, a
                                ql.fp8_linear_reference(hidden, q2, ws2, lin[2], None, None, activations),
                                rtol=1e-4, atol=1e-4)
     assert small_m_calls == [(6, 64), (6, 64), (3, 64)]
+
+
+
+@pytest.fixture
+def gemv_steps(monkeypatch):
+    """'CUDA' inputs on the real quantized GEMV (the Triton interpreter), the prologue of each launch recorded."""
+    from autodeploy.kernels import quant_gemv
+
+    steps, launch = [], quant_gemv._launch
+    monkeypatch.setattr(ql, "use_triton", lambda t: True)
+    monkeypatch.setattr(quant_gemv, "_launch", lambda *a: steps.append(a[8].kind.name) or launch(*a))
+    return steps
+
+
+def _linears(activations, bias, n=48, k=64):
+    """(fused op prefix, linear args after x, the weight-only reference of an operand) per weight kind: FP8
+    per tensor, per channel, per block; NVFP4 with per-row global scales (fused parts')."""
+    for kind in ("tensor", "channel", "block"):
+        q, ws, block = _fp8_weight(kind, n, k)
+        yield ("fp8", (q, ws, None, bias, block, activations),
+               lambda a, q=q, ws=ws, block=block: ql.fp8_linear_reference(a, q, ws, None, bias, block, "none"))
+    packed, scale, scale_2 = nm.quantize_nvfp4(torch.randn(n, k))
+    per_row = scale_2 * torch.linspace(0.5, 2, n)
+    yield "nvfp4", (packed, scale, per_row, bias), lambda a: ql.nvfp4_linear_reference(a, packed, scale, per_row, bias)
+
+
+def _check_fused_ops(rows, activations):
+    """Each fused op of each weight kind against the weight-only linear of its step's torch reference."""
+    x, r, nw = torch.randn(1, rows, 64) * 4, torch.randn(1, rows, 64), torch.rand(64) + 0.5
+    gate_up = torch.randn(rows, 128)
+    for fmt, lin, reference in _linears(activations, torch.randn(48)):
+        op = lambda name: getattr(ops, f"{fmt}_{name}")  # noqa: E731
+        close = dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(op("rms_norm_linear")(x, nw, 1e-6, *lin), reference(ops.rms_norm(x, nw, 1e-6)),
+                                   **close)
+        out, summed = op("add_rms_norm_linear")(x, r, nw, 1e-6, *lin)
+        torch.testing.assert_close(summed, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(out, reference(ops.rms_norm(x + r, nw, 1e-6)), **close)
+        hidden = F.silu(gate_up[:, :64]) * gate_up[:, 64:]
+        torch.testing.assert_close(op("swiglu_down")(gate_up, *lin, activation="silu"), reference(hidden), **close)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "switched-off"])
+def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, fold):
+    """At the "gemv" path (activations per token: the GEMV leaves them unquantized) each fused op is one launch
+    with its step as the prologue; AUTODEPLOY_QUANT_GEMV_PROLOGUE=0 puts the step before a plain GEMV again."""
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", fold)
+    _check_fused_ops(1, "token")
+    assert gemv_steps == (["RMS_NORM", "ADD_RMS_NORM", "GATED"] if fold else ["NONE"] * 3) * 4
+
+
+def test_fused_ops_past_the_gemv_rows_keep_the_step_before_the_gemm(kernels):
+    """24 rows, weight-only: the tensor-core GEMMs (recording stand-ins) after the norm / activation op."""
+    _check_fused_ops(24, "none")
+    assert [name for name, *_ in kernels] == ["fp8_weight_only_gemm"] * 9 + ["nvfp4_gemm"] * 3
