@@ -28,6 +28,7 @@ LM head, which stays bf16 in the quantized rows) against the weight stream's flo
 
     PYTHONPATH=bench python bench/probes/quant_kernels.py [--json PATH]   # < 4 minutes on an H100
     PYTHONPATH=bench python bench/probes/quant_kernels.py --shapes qkv,down --rows 1 --gemm-rows '' --sweep
+    PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --steps   # + the steps before
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ class Impl:
     reference: Callable = field(compare=False)
     max_rows: int | None = None  # the GEMVs: at most 4; the weight-only FP8 GEMMs (decode batches): 512
     min_rows: int = 1
+    shapes: tuple[str, ...] = ()  # only these shapes (a step's GEMV: quant_steps.py); empty: all
 
-    def takes(self, rows: int) -> bool:
-        return self.min_rows <= rows <= (self.max_rows or rows)
+    def takes(self, rows: int, shape: str) -> bool:
+        return self.min_rows <= rows <= (self.max_rows or rows) and shape in (self.shapes or (shape,))
 
 
 @dataclass
@@ -108,9 +110,9 @@ def cases(shapes: list[str], rows: list[int], gemm_rows: list[int], impls: list[
     ``gemm_rows`` only for the implementations without a row limit."""
     for shape in shapes:
         for m in rows:
-            yield from ((shape, m, impl) for impl in impls if impl.takes(m))
+            yield from ((shape, m, impl) for impl in impls if impl.takes(m, shape))
         for m in gemm_rows:
-            yield from ((shape, m, impl) for impl in impls if impl.max_rows is None and impl.takes(m))
+            yield from ((shape, m, impl) for impl in impls if impl.max_rows is None and impl.takes(m, shape))
 
 
 def table(results: list[Result], copy_bytes_per_s: float) -> str:
@@ -347,6 +349,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-rows", type=_ints, default=[8192], help="rows only the GEMMs run at")
     parser.add_argument("--sweep", action="store_true",
                         help="also the batch-1 weight-only kernels over launch configs")
+    parser.add_argument("--steps", action="store_true", help="also the GEMVs with the step before them, "
+                        "folded into the GEMV and apart (quant_steps.py)")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
     args = parser.parse_args(argv)
     args.shapes = _shapes(args.shapes, parser.error)
@@ -379,9 +383,12 @@ def main(argv=None) -> int:
                   copy_bytes_per_s=bandwidth)
     print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, "
           f"copy {bandwidth / 1e12:.2f} TB/s")
-    results = measure_all(args, implementations())
+    import quant_steps
+
+    impls = implementations() + (quant_steps.implementations(Impl) if args.steps else [])
+    results = measure_all(args, impls)
     print(table(results, bandwidth))
-    print("\n".join(decode_summary(results, bandwidth)))
+    print("\n".join(decode_summary(results, bandwidth) + quant_steps.summary(results, LAYERS)))
     if args.json:
         with open(args.json, "w") as handle:
             rows = [asdict(r) | {"gbps": r.gbps, "tflops": r.tflops} for r in results]
