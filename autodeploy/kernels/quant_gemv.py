@@ -1,9 +1,10 @@
 """Linear layers of a few rows (decode) on FP8 or NVFP4 weights, dequantized inside the kernel.
 
-``out[M, N] = x[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests), the
-products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
+``out[M, N] = prologue(x)[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests),
+the products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
 references are in ``quant_reference.py``; ``quant_gemm.py`` has the same computation on the tensor
-cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows.
+cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows. The prologue (a ``GemvPrologue``
+of ``*_prologue_gemv``) is the bf16 GEMV's, applied as each tile of x loads (``gemv._operand``).
 
 The structure is the bf16 GEMV's (``gemv.py``): one program computes ``BLOCK_N`` output features of
 every row over the whole K on the CUDA cores, products accumulated per (row, feature, lane) and
@@ -22,6 +23,11 @@ sized in bytes, and each program loads its next weight tile before the products 
   bits and at least 2**-24). Hopper has no FP4 arithmetic, so this is the path of every GPU today;
   Blackwell's native FP4 GEMM (``torch._scaled_mm`` on float4_e2m1fn_x2 with swizzled scales) would
   be a second implementation behind ``nvfp4_gemv`` / ``nvfp4_gemm``, chosen by device.
+
+- Prologues (a fused op of ``ops/quant_linear.py`` in one launch): x^2 summed ``SQUARES_FOLD`` lanes to a
+  register, ``x + residual`` written before the weight loop (in it: 9 more registers). sm_90 registers at one
+  row, none / RMSNorm / add + RMSNorm / gated: FP8 58 / 64 / 72 / 68 (8, 8, 7, 7 programs per SM), NVFP4 48 /
+  54 / 60 / 48 (``tests/kernels/compile_sm90.py``).
 
 SASS of sm_90 (``bench/probes/fp8_small_m.py --sass``: the main loop's instructions per weight byte, per
 thread; no GPU needed): the FP8 GEMV's loop spends ~7 instructions per weight byte at one row, the
@@ -340,8 +346,8 @@ def fp8_prologue_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: t
     if scales.block_scaled and scales.rows % launch.block_n:
         raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
                          f"{scales.rows} rows")
-    weight = weight_fp8.view(torch.uint8)
-    return _launch(x, rows, weight, scales, bias, WeightFormat.FP8, k, launch, prologue, "fp8_gemv")
+    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch, prologue,
+                   "fp8_gemv")
 
 
 def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -403,5 +409,8 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, k: in
             TWO_PASS=two_pass(rows.dtype, prologue.kind), num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )
-    summed = summed.view(x.shape) if prologue.kind == Prologue.ADD_RMS_NORM else None
-    return out.view(*x.shape[:-1], n), summed
+    if prologue.kind != Prologue.ADD_RMS_NORM:
+        return out.view(*x.shape[:-1], n), None
+    if not n:  # no program to write x + residual
+        summed.copy_(rows.float() + res.float())
+    return out.view(*x.shape[:-1], n), summed.view(x.shape)

@@ -29,7 +29,11 @@ so it computes the reference's rounding).
 Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
 <linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
 ``(out, x + residual)`` and ``..._swiglu_down(gate_up, <linear args after x>, activation)``: each is
-exactly the norm / ``act(gate) * up`` op followed by the quantized linear.
+exactly the norm / ``act(gate) * up`` op followed by the quantized linear. At the "gemv" path the step is
+folded into the GEMV's operand loads, as the bf16 ops fold it into theirs (``*_prologue_gemv``: one launch
+instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0`` runs the step's
+kernel first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
+the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs before the linear.
 """
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ def test_prologue_gemv_is_the_step_then_the_weight_only_linear(kind, dtype, step
 
 
 def test_the_sum_is_written_whole_by_fewer_programs_than_its_tiles():
-    """One program (8 features) and K of four 32-element tiles: x + residual by a grid-stride loop."""
+    """One program (8 features) and K of four 32-element tiles: x + residual by a grid-stride loop; by torch
+    where the weight has no features (no program)."""
     weight, scale = fp8_weight(8, 128), torch.tensor(0.02)
     x, residual, norm_w = torch.randn(2, 128), torch.randn(2, 128), torch.rand(128) + 0.5
     out, summed = fp8_prologue_gemv(x, weight, scale, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, residual, norm_w,
@@ -198,6 +199,9 @@ def test_the_sum_is_written_whole_by_fewer_programs_than_its_tiles():
     torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
     want = ref.fp8_weight_only_reference(rms_norm_reference(x + residual, norm_w, 1e-6), weight, scale)
     assert rel_err(out, want) < 1e-5
+    out, summed = fp8_prologue_gemv(x, weight[:0], scale, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, residual,
+                                                                                 norm_w, 1e-6))
+    assert out.shape == (2, 0) and torch.equal(summed, x + residual)  # no features, no program: the sum still
 
 
 BAD_PROLOGUES = [
