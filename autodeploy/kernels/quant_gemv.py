@@ -290,7 +290,7 @@ class ScaleLayout:
     ``stride_n``, ``stride_k``) multiplies each K block's products; otherwise ``out_scale[n *
     stride_out]`` (stride 0: one value) multiplies each output feature's sum; then ``factor``. NVFP4:
     ``scale`` holds the e4m3 block scales (per 16 elements, applied per block by the kernels' NVFP4
-    path), ``out_scale`` the global scale and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
+    path), ``out_scale`` the global scale (or one per row) and ``factor`` the 2**14 of ``e2m1_to_fp16``."""
 
     scale: torch.Tensor
     out_scale: torch.Tensor
@@ -315,7 +315,9 @@ class ScaleLayout:
     @classmethod
     def nvfp4(cls, weight_packed, weight_scale, weight_scale_2, what: str) -> "ScaleLayout":
         n, _ = ref.check_nvfp4(weight_packed, weight_scale, weight_scale_2, what)
-        return cls(weight_scale, weight_scale_2.reshape(1), weight_scale.stride(0), weight_scale.stride(1), 0,
+        global_scale = weight_scale_2.reshape(-1)  # one value, or one per row (fused parts')
+        stride_out = global_scale.stride(0) if weight_scale_2.dim() == 1 else 0
+        return cls(weight_scale, global_scale, weight_scale.stride(0), weight_scale.stride(1), stride_out,
                    n, ref.NVFP4_GROUP, E2M1_UNIT, False)
 
     def kernel_args(self) -> tuple:
@@ -355,7 +357,7 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                launch: QuantGemvLaunch | None = None) -> torch.Tensor:
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
-    ``weight_scale_2`` fp32 (one value)."""
+    ``weight_scale_2`` fp32, one value or one per row [N]."""
     return nvfp4_prologue_gemv(x, weight_packed, weight_scale, weight_scale_2, bias, launch=launch)[0]
 
 

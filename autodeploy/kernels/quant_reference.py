@@ -19,7 +19,8 @@ element ``2j`` in the low nibble and ``2j + 1`` in the high one (ModelOpt's
 ``NVFP4QTensor.quantize`` packs ``(q[..., 1::2] << 4) | q[..., 0::2]`` and its ``dequantize`` unpacks
 the same way); code bits are sign (8), exponent (6), mantissa (1): magnitudes 0, 0.5, 1, 1.5, 2, 3,
 4, 6. ``weight_scale`` float8_e4m3fn ``[N, K // 16]`` scales each run of 16 elements and the fp32
-scalar ``weight_scale_2`` all of them: ``w = e2m1 * (weight_scale * weight_scale_2)``.
+scalar ``weight_scale_2`` all of them: ``w = e2m1 * (weight_scale * weight_scale_2)``. Fused parts (q/k/v,
+gate/up) keep their own global scales: ``weight_scale_2`` is then one per row ``[N]``.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def check_nvfp4(weight_packed, weight_scale, weight_scale_2, what: str = "nvfp4"
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // NVFP4_GROUP):
         raise ValueError(f"{what}: weight_scale must be float8_e4m3fn of shape {(n, k // NVFP4_GROUP)}, got "
                          f"{weight_scale.dtype} of shape {tuple(weight_scale.shape)}")
-    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
-        raise ValueError(f"{what}: weight_scale_2 must be one float32 value, got {weight_scale_2.dtype} "
-                         f"of shape {tuple(weight_scale_2.shape)}")
+    if weight_scale_2.dtype != torch.float32 or (weight_scale_2.numel() != 1 and tuple(weight_scale_2.shape) != (n,)):
+        raise ValueError(f"{what}: weight_scale_2 must be one float32 value or one per row ({n},), got "
+                         f"{weight_scale_2.dtype} of shape {tuple(weight_scale_2.shape)}")
     return n, k
 
 
@@ -120,7 +121,8 @@ def unpack_e2m1(weight_packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_nvfp4(weight_packed, weight_scale, weight_scale_2) -> torch.Tensor:
     check_nvfp4(weight_packed, weight_scale, weight_scale_2)
-    scale = (weight_scale.float() * weight_scale_2.reshape(())).repeat_interleave(NVFP4_GROUP, 1)
+    global_scale = weight_scale_2.reshape(-1, 1) if weight_scale_2.dim() == 1 else weight_scale_2.reshape(())
+    scale = (weight_scale.float() * global_scale).repeat_interleave(NVFP4_GROUP, 1)
     return unpack_e2m1(weight_packed) * scale
 
 

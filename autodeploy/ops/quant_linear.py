@@ -173,21 +173,8 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
         from ..kernels.quant_gemv import nvfp4_gemv as kernel
     else:
         from ..kernels.quant_gemm import nvfp4_gemm as kernel
-    global_scale, kernel_bias = _kernel_global_scale(weight_scale_2, bias)
-    out = kernel(_rows(x), weight, weight_scale, global_scale, bias=kernel_bias)
-    return _per_row_scaled(out, weight_scale_2, bias).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _kernel_global_scale(weight_scale_2, bias):
-    """(global scale, bias) for the NVFP4 kernels, which take one global scale: 1 and no bias where fused parts
-    kept their own (``[N]``), which ``_per_row_scaled`` then applies to the output."""
-    return (weight_scale_2.new_ones(()), None) if weight_scale_2.dim() == 1 else (weight_scale_2, bias)
-
-
-def _per_row_scaled(out, weight_scale_2, bias) -> torch.Tensor:
-    if weight_scale_2.dim() != 1:
-        return out
-    return (out.float() * weight_scale_2 + (bias.float() if bias is not None else 0.0)).to(out.dtype)
+    out = kernel(_rows(x), weight, weight_scale, weight_scale_2, bias=bias)  # (per-row global scales too)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _folds_step(path: str) -> bool:
@@ -211,12 +198,10 @@ def _fp8_with_step(x, step, weight, weight_scale, bias, block_size):
 
 
 def _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias):
-    """``(nvfp4 linear of step(x), x + residual or None)``: one GEMV launch (+ per-row global scales)."""
+    """``(nvfp4 linear of step(x), x + residual or None)``: one GEMV launch."""
     from ..kernels.quant_gemv import nvfp4_prologue_gemv
 
-    global_scale, kernel_bias = _kernel_global_scale(weight_scale_2, bias)
-    out, summed = nvfp4_prologue_gemv(x, weight, weight_scale, global_scale, kernel_bias, prologue=step)
-    return _per_row_scaled(out, weight_scale_2, bias), summed
+    return nvfp4_prologue_gemv(x, weight, weight_scale, weight_scale_2, bias, prologue=step)
 
 
 def _sum_fits(x: torch.Tensor, residual: torch.Tensor) -> bool:

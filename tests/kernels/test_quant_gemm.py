@@ -136,6 +136,14 @@ def test_nvfp4_gemm_matches_the_reference(dtype, m):
                                 lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
 
 
+def test_nvfp4_gemm_with_a_global_scale_per_row():
+    packed, scale, scale_2 = nvfp4_weight(40, 112)
+    per_row = scale_2 * torch.linspace(0.5, 2, 40)  # fused parts' own global scales
+    x = torch.randn(5, 112)
+    check_with_and_without_bias(lambda b: nvfp4_gemm(x, packed, scale, per_row, b, launch=SMALL),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, per_row, b), x, 40)
+
+
 def test_nvfp4_gemm_dequantizes_every_byte_exactly():
     packed, scale, _ = nvfp4_weight(32, 32)
     packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)

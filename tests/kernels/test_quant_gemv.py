@@ -119,6 +119,17 @@ def test_nvfp4_gemv_matches_the_reference(dtype, m, launch):
                                 lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
 
 
+def test_nvfp4_gemv_with_a_global_scale_per_row():
+    """Fused parts (q/k/v, gate/up) keep their own global scales: one per row, applied with the sums."""
+    packed, scale, scale_2 = nvfp4_weight(40, 112)
+    per_row = scale_2 * torch.linspace(0.5, 2, 40)
+    x = torch.randn(2, 112)
+    check_with_and_without_bias(lambda b: nvfp4_gemv(x, packed, scale, per_row, b, launch=SMALL),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, per_row, b), x, 40)
+    want = ref.dequantize_nvfp4(packed, scale, scale_2) * torch.linspace(0.5, 2, 40)[:, None]
+    torch.testing.assert_close(ref.dequantize_nvfp4(packed, scale, per_row), want)
+
+
 def test_nvfp4_packing_is_low_nibble_first():
     """Byte 0x21 holds element 0 = code 1 (0.5) and element 1 = code 2 (1.0); byte 0xF8: -0 and -6."""
     packed = torch.zeros(1, 8, dtype=torch.uint8)
@@ -280,7 +291,7 @@ BAD_NVFP4 = [
     (dict(packed=torch.zeros(8, 12, dtype=torch.uint8)), "K = 24 is not a multiple"),
     (dict(scale=torch.ones(8, 2)), "float8_e4m3fn of shape"),
     (dict(scale=torch.ones(8, 1).to(torch.float8_e4m3fn)), r"of shape \(8, 2\)"),
-    (dict(scale_2=torch.ones(2)), "one float32 value"),
+    (dict(scale_2=torch.ones(2)), r"one float32 value or one per row \(8,\)"),
     (dict(x=torch.randn(1, 16)), "expects 32 input features"),
     (dict(launch=QuantGemvLaunch(4, 8)), "block_b must be at least 16 bytes"),
     (dict(launch=QuantGemvLaunch(4, 32, fold=4)), "fold is FP8's"),
