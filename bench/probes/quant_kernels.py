@@ -57,7 +57,7 @@ TOLERANCE = 1e-2
 # won: an 8B layer's one-row linears 101.5 -> 94.4 us; persistent programs taking feature groups in turn
 # were slower everywhere (113-123 us)
 FP8_GEMV_SWEEP = [(4, 1024, 4, 1), (4, 1024, 4, 4), (2, 2048, 4, 8), (1, 2048, 4, 16), (1, 4096, 4, 16),
-                  (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4)]
+                  (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4), (8, 1024, 8, 4)]
 GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
 TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
 
@@ -301,6 +301,9 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
                "nvfp4_gemv": (nvfp4_gemv, GEMV_SWEEP, QuantGemvLaunch),
                "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
                "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}
+    kernels.update({i.name: (lambda x, launch, i=i, **t: i.call(x, t, launch), FP8_GEMV_SWEEP, fp8_launch)
+                    for i in impls if i.name.startswith("fp8_gemv channel") and i.name.endswith("+step")
+                    and i.takes(1, shape)})  # --steps: the FP8 GEMV with its step folded in, as the plain one
     found = []
     for impl in (i for i in impls if i.name in kernels):
         kernel, configs, make = kernels[impl.name]

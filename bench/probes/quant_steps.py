@@ -47,7 +47,7 @@ class StepInputs:
 
 
 def step_call(gemv: str, step: str, mode: str, inputs: StepInputs):
-    """``call(x, weights)`` of one GEMV with its step, folded in or apart."""
+    """``call(x, weights, launch=None)`` of one GEMV with its step, folded in or apart (``launch``: the GEMV's)."""
     from autodeploy.kernels import quant_gemv as qg
     from autodeploy.kernels.activation import act_mul
     from autodeploy.kernels.gemv import GemvPrologue, Prologue
@@ -56,16 +56,17 @@ def step_call(gemv: str, step: str, mode: str, inputs: StepInputs):
     nvfp4 = gemv.startswith("nvfp4")
     plain, fused = (qg.nvfp4_gemv, qg.nvfp4_prologue_gemv) if nvfp4 else (qg.fp8_gemv, qg.fp8_prologue_gemv)
 
-    def call(x, t):
+    def call(x, t, launch=None):
         made = inputs.of(x, step)
         if mode == "+step" and step == "gated":
-            return fused(made[1], **t, prologue=GemvPrologue(Prologue.GATED))[0]
+            return fused(made[1], **t, prologue=GemvPrologue(Prologue.GATED), launch=launch)[0]
         if mode == "+step":
-            return fused(x, **t, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, made[1], made[2], EPS))[0]
+            prologue = GemvPrologue(Prologue.ADD_RMS_NORM, made[1], made[2], EPS)
+            return fused(x, **t, prologue=prologue, launch=launch)[0]
         if step == "gated":
             gate, up = made[1].chunk(2, dim=-1)
-            return plain(act_mul(gate, up, "silu"), **t)
-        return plain(add_rms_norm(x, made[1], made[2], EPS)[0], **t)
+            return plain(act_mul(gate, up, "silu"), **t, launch=launch)
+        return plain(add_rms_norm(x, made[1], made[2], EPS)[0], **t, launch=launch)
 
     return call
 

@@ -54,3 +54,16 @@ def test_summary_sets_folded_against_apart_per_gemv():
     assert len(lines) == 1 and "fp8_gemv channel" in lines[0]
     assert "folded 0.960 ms, apart 1.200 ms (-0.240 ms a step)" in lines[0]
     assert quant_steps.summary(results[:-1], layers=32) == []  # down apart not measured: no line
+
+
+def test_the_launch_sweep_covers_the_folded_fp8_gemv_at_its_shapes(impls, monkeypatch):
+    """--steps --sweep: each folded FP8 GEMV (per channel) over FP8_GEMV_SWEEP, run with each launch."""
+    measured = []
+    monkeypatch.setattr(qk, "measure", lambda shape, m, impl, weights, call, name: measured.append((name, call)))
+    qk.launch_sweep("down", [i for i in impls if i.name.startswith("fp8_gemv channel")], None)
+    assert [name for name, _ in measured] == [f"fp8_gemv channel gated +step {'/'.join(map(str, c))}"
+                                              for c in qk.FP8_GEMV_SWEEP]
+    weights = qk.formats()["fp8_channel"][0](torch.randn(8, 64))
+    x = torch.randn(1, 64)
+    want = next(i for i in impls if i.name == "fp8_gemv channel gated +step").call(x, weights)
+    torch.testing.assert_close(measured[-1][1](x, weights), want)  # 8 features x 1024 bytes, 8 warps, fold 4
