@@ -31,8 +31,8 @@ Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, 
 ``(out, x + residual)`` and ``..._swiglu_down(gate_up, <linear args after x>, activation)``: each is
 exactly the norm / ``act(gate) * up`` op followed by the quantized linear. At the "gemv" path the step is
 folded into the GEMV's operand loads, as the bf16 ops fold it into theirs (``*_prologue_gemv``: one launch
-instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0`` runs the step's
-kernel first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
+instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0`` (or a list of the
+steps to fold, ``STEPS``) runs the step's kernel first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
 the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs before the linear.
 """
 
@@ -57,9 +57,24 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # (~1.1 SASS instructions per weight byte in its sm_90 loop against ~6.7 for the FP8 GEMV, ~5.8 for the
 # weight-only GEMM); off until timed on a GPU (bench/probes/fp8_small_m.py): the switch of the A/B runs
 FP8_SMALL_M_MAX_ROWS = int(os.environ.get("AUTODEPLOY_FP8_SMALL_M_MAX_ROWS", "0"))
-# the fused ops' norm / activation folded into the GEMV's operand loads at the "gemv" path (one launch, not two);
-# AUTODEPLOY_QUANT_GEMV_PROLOGUE=0 runs it as its own kernel before the GEMV (the A/B of the GPU timing)
-QUANT_GEMV_PROLOGUE = os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE", "1") != "0"
+STEPS = ("RMS_NORM", "ADD_RMS_NORM", "GATED")  # the fused ops' steps (kernels/gemv.py's Prologue names)
+
+
+def _steps_from_env(value: str | None) -> frozenset[str]:
+    """``AUTODEPLOY_QUANT_GEMV_PROLOGUE``: unset or ``1`` all of ``STEPS``, ``0`` or empty none, else a comma
+    list of them."""
+    if value is None or value.strip() == "1":
+        return frozenset(STEPS)
+    steps = frozenset(v.strip().upper() for v in value.split(",") if v.strip() not in ("", "0"))
+    if steps - set(STEPS):
+        raise ValueError(f"AUTODEPLOY_QUANT_GEMV_PROLOGUE={value!r}: expected 1, 0 or some of {', '.join(STEPS)}")
+    return steps
+
+
+# the fused ops' steps folded into the GEMV's operand loads at the "gemv" path (one launch, not two); the others
+# run as their own kernel before the GEMV (the A/B of the GPU timing: the gated one costs the FP8 GEMV the most
+# instructions per weight byte, sm_90 SASS: 11.3 against 7.0 plain, 9.0 with add + RMSNorm)
+QUANT_GEMV_PROLOGUE = _steps_from_env(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE"))
 
 
 def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none",
@@ -177,14 +192,14 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _folds_step(path: str) -> bool:
-    """Whether a fused op runs its norm / activation in the quantized GEMV's operand loads (``gemv.Prologue``):
-    at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
-    return path == "gemv" and QUANT_GEMV_PROLOGUE
+def _folds_step(path: str, step: str) -> bool:
+    """Whether a fused op runs its norm / activation (``step``, of ``STEPS``) in the quantized GEMV's operand
+    loads: at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
+    return path == "gemv" and step in QUANT_GEMV_PROLOGUE
 
 
 def _step(kind: str, **inputs):
-    """The ``GemvPrologue`` of one fused op's step: ``RMS_NORM``, ``ADD_RMS_NORM`` or ``GATED``."""
+    """The ``GemvPrologue`` of one fused op's step (``STEPS``)."""
     from ..kernels.gemv import GemvPrologue, Prologue
 
     return GemvPrologue(Prologue[kind], **inputs)
@@ -237,7 +252,7 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
-    if _folds_step(_fp8_path(x, activations, block_size)):
+    if _folds_step(_fp8_path(x, activations, block_size), "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(x, activations, block_size):
@@ -259,7 +274,7 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(_fp8_path(x, activations, block_size)) and _sum_fits(x, residual):
+    if _folds_step(_fp8_path(x, activations, block_size), "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)
     if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
@@ -282,7 +297,7 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
-    if _folds_step(_fp8_path(gate_up, activations, block_size)):
+    if _folds_step(_fp8_path(gate_up, activations, block_size), "GATED"):
         step = _step("GATED", activation=activation)
         return _fp8_with_step(gate_up, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(gate_up, activations, block_size):
@@ -318,7 +333,7 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _folds_step(_nvfp4_path(x)):
+    if _folds_step(_nvfp4_path(x), "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)[0]
     return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
@@ -333,7 +348,7 @@ def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(_nvfp4_path(x)) and _sum_fits(x, residual):
+    if _folds_step(_nvfp4_path(x), "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -349,7 +364,7 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=
 def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                       activation: str = "silu") -> torch.Tensor:
-    if _folds_step(_nvfp4_path(gate_up)):
+    if _folds_step(_nvfp4_path(gate_up), "GATED"):
         return _nvfp4_with_step(gate_up, _step("GATED", activation=activation), weight, weight_scale, weight_scale_2,
                                 bias)[0]
     gate, up = gate_up.chunk(2, dim=-1)

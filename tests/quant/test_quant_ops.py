@@ -253,13 +253,24 @@ def _check_fused_ops(rows, activations):
         torch.testing.assert_close(op("swiglu_down")(gate_up, *lin, activation="silu"), reference(hidden), **close)
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["folded", "switched-off"])
-def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, fold):
+@pytest.mark.parametrize("folded", ["1", "0", "rms_norm,add_rms_norm"], ids=["all", "none", "norms"])
+def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, folded):
     """At the "gemv" path (activations per token: the GEMV leaves them unquantized) each fused op is one launch
-    with its step as the prologue; AUTODEPLOY_QUANT_GEMV_PROLOGUE=0 puts the step before a plain GEMV again."""
-    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", fold)
+    with its step as the prologue; AUTODEPLOY_QUANT_GEMV_PROLOGUE puts the steps it leaves out before a plain
+    GEMV again."""
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", ql._steps_from_env(folded))
     _check_fused_ops(1, "token")
-    assert gemv_steps == (["RMS_NORM", "ADD_RMS_NORM", "GATED"] if fold else ["NONE"] * 3) * 4
+    want = {"1": ["RMS_NORM", "ADD_RMS_NORM", "GATED"], "0": ["NONE"] * 3,
+            "rms_norm,add_rms_norm": ["RMS_NORM", "ADD_RMS_NORM", "NONE"]}[folded]
+    assert gemv_steps == want * 4
+
+
+def test_the_folded_steps_from_the_environment():
+    assert ql._steps_from_env(None) == ql._steps_from_env("1") == set(ql.STEPS)
+    assert ql._steps_from_env("0") == ql._steps_from_env("") == set()
+    assert ql._steps_from_env(" gated ") == {"GATED"}
+    with pytest.raises(ValueError, match="expected 1, 0 or some of RMS_NORM, ADD_RMS_NORM, GATED"):
+        ql._steps_from_env("norm")
 
 
 def test_fused_ops_past_the_gemv_rows_keep_the_step_before_the_gemm(kernels):
