@@ -32,7 +32,8 @@ Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, 
 exactly the norm / ``act(gate) * up`` op followed by the quantized linear. At the "gemv" path the step is
 folded into the GEMV's operand loads, as the bf16 ops fold it into theirs (``*_prologue_gemv``: one launch
 instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0`` (or a list of the
-steps to fold, ``STEPS``) runs the step's kernel first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
+steps to fold, ``STEPS``; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS``: up to how many rows) runs the step's kernel
+first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
 the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs before the linear.
 """
 
@@ -75,6 +76,9 @@ def _steps_from_env(value: str | None) -> frozenset[str]:
 # run as their own kernel before the GEMV (the A/B of the GPU timing: the gated one costs the FP8 GEMV the most
 # instructions per weight byte, sm_90 SASS: 11.3 against 7.0 plain, 9.0 with add + RMSNorm)
 QUANT_GEMV_PROLOGUE = _steps_from_env(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE"))
+# up to this many rows (every program applies the step to every row: at 4 rows the FP8 GEMV's loop, already
+# issue-bound, takes 14.3 instructions per weight byte with add + RMSNorm against 12.1 plain)
+QUANT_GEMV_PROLOGUE_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS", "4"))
 
 
 def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none",
@@ -192,10 +196,11 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _folds_step(path: str, step: str) -> bool:
+def _folds_step(x: torch.Tensor, path: str, step: str) -> bool:
     """Whether a fused op runs its norm / activation (``step``, of ``STEPS``) in the quantized GEMV's operand
     loads: at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
-    return path == "gemv" and step in QUANT_GEMV_PROLOGUE
+    rows = x.numel() // x.shape[-1]
+    return path == "gemv" and step in QUANT_GEMV_PROLOGUE and rows <= QUANT_GEMV_PROLOGUE_MAX_ROWS
 
 
 def _step(kind: str, **inputs):
@@ -252,7 +257,7 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
-    if _folds_step(_fp8_path(x, activations, block_size), "RMS_NORM"):
+    if _folds_step(x, _fp8_path(x, activations, block_size), "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(x, activations, block_size):
@@ -274,7 +279,7 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(_fp8_path(x, activations, block_size), "ADD_RMS_NORM") and _sum_fits(x, residual):
+    if _folds_step(x, _fp8_path(x, activations, block_size), "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)
     if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
@@ -297,7 +302,7 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
-    if _folds_step(_fp8_path(gate_up, activations, block_size), "GATED"):
+    if _folds_step(gate_up, _fp8_path(gate_up, activations, block_size), "GATED"):
         step = _step("GATED", activation=activation)
         return _fp8_with_step(gate_up, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(gate_up, activations, block_size):
@@ -333,7 +338,7 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _folds_step(_nvfp4_path(x), "RMS_NORM"):
+    if _folds_step(x, _nvfp4_path(x), "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)[0]
     return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
@@ -348,7 +353,7 @@ def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(_nvfp4_path(x), "ADD_RMS_NORM") and _sum_fits(x, residual):
+    if _folds_step(x, _nvfp4_path(x), "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -364,7 +369,7 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=
 def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                       activation: str = "silu") -> torch.Tensor:
-    if _folds_step(_nvfp4_path(gate_up), "GATED"):
+    if _folds_step(gate_up, _nvfp4_path(gate_up), "GATED"):
         return _nvfp4_with_step(gate_up, _step("GATED", activation=activation), weight, weight_scale, weight_scale_2,
                                 bias)[0]
     gate, up = gate_up.chunk(2, dim=-1)

@@ -265,6 +265,12 @@ def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, folded
     assert gemv_steps == want * 4
 
 
+def test_fused_ops_past_the_folding_rows_keep_the_step_apart(gemv_steps, monkeypatch):
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE_MAX_ROWS", 1)  # AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS=1
+    _check_fused_ops(2, "none")
+    assert gemv_steps == ["NONE"] * 12  # 2 rows: the GEMV still, the step before it
+
+
 def test_the_folded_steps_from_the_environment():
     assert ql._steps_from_env(None) == ql._steps_from_env("1") == set(ql.STEPS)
     assert ql._steps_from_env("0") == ql._steps_from_env("") == set()
