@@ -402,7 +402,8 @@ def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, k: in
     if m and n:
         _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
             rows, res, norm_w, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, summed,
-            m, n, k, weight.shape[1], rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0),
+            m, n, k, weight.shape[1], rows.stride(0), res.stride(0), weight.stride(0), out.stride(0),
+            summed.stride(0),
             *scales.kernel_args(), float(prologue.eps),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,

@@ -31,10 +31,10 @@ Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, 
 ``(out, x + residual)`` and ``..._swiglu_down(gate_up, <linear args after x>, activation)``: each is
 exactly the norm / ``act(gate) * up`` op followed by the quantized linear. At the "gemv" path the step is
 folded into the GEMV's operand loads, as the bf16 ops fold it into theirs (``*_prologue_gemv``: one launch
-instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0`` (or a list of the
-steps to fold, ``STEPS``; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS``: up to how many rows) runs the step's kernel
-first instead); where the FP8 x FP8 GEMMs take the call, the activation quantizer is folded into
-the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs before the linear.
+instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE`` and
+``..._MAX_ROWS`` say which steps, formats and rows); where the FP8 x FP8 GEMMs take the call, the activation
+quantizer is folded into the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs
+before the linear.
 """
 
 from __future__ import annotations
@@ -59,23 +59,31 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # weight-only GEMM); off until timed on a GPU (bench/probes/fp8_small_m.py): the switch of the A/B runs
 FP8_SMALL_M_MAX_ROWS = int(os.environ.get("AUTODEPLOY_FP8_SMALL_M_MAX_ROWS", "0"))
 STEPS = ("RMS_NORM", "ADD_RMS_NORM", "GATED")  # the fused ops' steps (kernels/gemv.py's Prologue names)
+FORMATS = ("fp8", "nvfp4")
 
 
-def _steps_from_env(value: str | None) -> frozenset[str]:
-    """``AUTODEPLOY_QUANT_GEMV_PROLOGUE``: unset or ``1`` all of ``STEPS``, ``0`` or empty none, else a comma
-    list of them."""
+def _folded_from_env(value: str | None) -> frozenset[tuple[str, str]]:
+    """``AUTODEPLOY_QUANT_GEMV_PROLOGUE``: the (format, step) pairs whose step folds into the GEMV. Unset or ``1``
+    all, ``0`` or empty none, else a comma list of ``STEP`` (both formats), ``FORMAT:STEP`` or ``FORMAT:all``."""
     if value is None or value.strip() == "1":
-        return frozenset(STEPS)
-    steps = frozenset(v.strip().upper() for v in value.split(",") if v.strip() not in ("", "0"))
-    if steps - set(STEPS):
-        raise ValueError(f"AUTODEPLOY_QUANT_GEMV_PROLOGUE={value!r}: expected 1, 0 or some of {', '.join(STEPS)}")
-    return steps
+        return frozenset((f, s) for f in FORMATS for s in STEPS)
+    pairs = set()
+    for item in (v.strip() for v in value.split(",") if v.strip() not in ("", "0")):
+        fmt, _, step = item.rpartition(":")
+        formats = (fmt.lower(),) if fmt else FORMATS
+        steps = STEPS if step.lower() == "all" else (step.upper(),)
+        if not set(formats) <= set(FORMATS) or not set(steps) <= set(STEPS):
+            raise ValueError(f"AUTODEPLOY_QUANT_GEMV_PROLOGUE={value!r}: {item!r} is none of 1, 0, STEP, FORMAT:STEP, "
+                             f"FORMAT:all (formats {', '.join(FORMATS)}; steps {', '.join(STEPS)})")
+        pairs |= {(f, s) for f in formats for s in steps}
+    return frozenset(pairs)
 
 
 # the fused ops' steps folded into the GEMV's operand loads at the "gemv" path (one launch, not two); the others
-# run as their own kernel before the GEMV (the A/B of the GPU timing: the gated one costs the FP8 GEMV the most
-# instructions per weight byte, sm_90 SASS: 11.3 against 7.0 plain, 9.0 with add + RMSNorm)
-QUANT_GEMV_PROLOGUE = _steps_from_env(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE"))
+# run as their own kernel before the GEMV. To be timed (the A/B): the folds add sm_90 SASS instructions per
+# weight byte to the one-row loops, FP8 7.0 plain -> 8.3 / 9.0 / 11.3 (RMSNorm / add + RMSNorm / gated), NVFP4,
+# issue-bound already, 17.6 -> 19.8 / 20.9 / 26.4
+QUANT_GEMV_PROLOGUE = _folded_from_env(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE"))
 # up to this many rows (every program applies the step to every row: at 4 rows the FP8 GEMV's loop, already
 # issue-bound, takes 14.3 instructions per weight byte with add + RMSNorm against 12.1 plain)
 QUANT_GEMV_PROLOGUE_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS", "4"))
@@ -196,11 +204,11 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _folds_step(x: torch.Tensor, path: str, step: str) -> bool:
+def _folds_step(x: torch.Tensor, path: str, fmt: str, step: str) -> bool:
     """Whether a fused op runs its norm / activation (``step``, of ``STEPS``) in the quantized GEMV's operand
     loads: at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
     rows = x.numel() // x.shape[-1]
-    return path == "gemv" and step in QUANT_GEMV_PROLOGUE and rows <= QUANT_GEMV_PROLOGUE_MAX_ROWS
+    return path == "gemv" and (fmt, step) in QUANT_GEMV_PROLOGUE and rows <= QUANT_GEMV_PROLOGUE_MAX_ROWS
 
 
 def _step(kind: str, **inputs):
@@ -257,7 +265,7 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
-    if _folds_step(x, _fp8_path(x, activations, block_size), "RMS_NORM"):
+    if _folds_step(x, _fp8_path(x, activations, block_size), "fp8", "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(x, activations, block_size):
@@ -279,7 +287,7 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(x, _fp8_path(x, activations, block_size), "ADD_RMS_NORM") and _sum_fits(x, residual):
+    if _folds_step(x, _fp8_path(x, activations, block_size), "fp8", "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)
     if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
@@ -302,7 +310,7 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
-    if _folds_step(gate_up, _fp8_path(gate_up, activations, block_size), "GATED"):
+    if _folds_step(gate_up, _fp8_path(gate_up, activations, block_size), "fp8", "GATED"):
         step = _step("GATED", activation=activation)
         return _fp8_with_step(gate_up, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(gate_up, activations, block_size):
@@ -338,7 +346,7 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _folds_step(x, _nvfp4_path(x), "RMS_NORM"):
+    if _folds_step(x, _nvfp4_path(x), "nvfp4", "RMS_NORM"):
         step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)[0]
     return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
@@ -353,7 +361,7 @@ def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if _folds_step(x, _nvfp4_path(x), "ADD_RMS_NORM") and _sum_fits(x, residual):
+    if _folds_step(x, _nvfp4_path(x), "nvfp4", "ADD_RMS_NORM") and _sum_fits(x, residual):
         step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
         return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -369,7 +377,7 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=
 def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                       activation: str = "silu") -> torch.Tensor:
-    if _folds_step(gate_up, _nvfp4_path(gate_up), "GATED"):
+    if _folds_step(gate_up, _nvfp4_path(gate_up), "nvfp4", "GATED"):
         return _nvfp4_with_step(gate_up, _step("GATED", activation=activation), weight, weight_scale, weight_scale_2,
                                 bias)[0]
     gate, up = gate_up.chunk(2, dim=-1)

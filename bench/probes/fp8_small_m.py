@@ -53,7 +53,7 @@ TOLERANCE = 1e-2
 # the module constants of ops/quant_linear.py that put each FP8 path on every row count it is measured at
 PATHS = {"fp8 gemv": dict(QUANT_GEMV_MAX_ROWS=4, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0),
          "fp8 gemv, step apart": dict(QUANT_GEMV_MAX_ROWS=4, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0,
-                                      QUANT_GEMV_PROLOGUE=frozenset()),
+                                      QUANT_GEMV_PROLOGUE=frozenset()),  # (no step folded)
          "fp8 weight-only": dict(QUANT_GEMV_MAX_ROWS=0, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0),
          "fp8 gemm": dict(QUANT_GEMV_MAX_ROWS=0, FP8_WEIGHT_ONLY_MAX_ROWS=0, FP8_SMALL_M_MAX_ROWS=0),
          "fp8 small-m": dict(FP8_SMALL_M_MAX_ROWS=64)}

@@ -234,7 +234,8 @@ def _linears(activations, bias, n=48, k=64):
                lambda a, q=q, ws=ws, block=block: ql.fp8_linear_reference(a, q, ws, None, bias, block, "none"))
     packed, scale, scale_2 = nm.quantize_nvfp4(torch.randn(n, k))
     per_row = scale_2 * torch.linspace(0.5, 2, n)
-    yield "nvfp4", (packed, scale, per_row, bias), lambda a: ql.nvfp4_linear_reference(a, packed, scale, per_row, bias)
+    yield ("nvfp4", (packed, scale, per_row, bias),
+           lambda a: ql.nvfp4_linear_reference(a, packed, scale, per_row, bias))
 
 
 def _check_fused_ops(rows, activations):
@@ -253,16 +254,17 @@ def _check_fused_ops(rows, activations):
         torch.testing.assert_close(op("swiglu_down")(gate_up, *lin, activation="silu"), reference(hidden), **close)
 
 
-@pytest.mark.parametrize("folded", ["1", "0", "rms_norm,add_rms_norm"], ids=["all", "none", "norms"])
+@pytest.mark.parametrize("folded", ["1", "0", "rms_norm,add_rms_norm", "fp8:all"])
 def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, folded):
     """At the "gemv" path (activations per token: the GEMV leaves them unquantized) each fused op is one launch
     with its step as the prologue; AUTODEPLOY_QUANT_GEMV_PROLOGUE puts the steps it leaves out before a plain
     GEMV again."""
-    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", ql._steps_from_env(folded))
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", ql._folded_from_env(folded))
     _check_fused_ops(1, "token")
-    want = {"1": ["RMS_NORM", "ADD_RMS_NORM", "GATED"], "0": ["NONE"] * 3,
-            "rms_norm,add_rms_norm": ["RMS_NORM", "ADD_RMS_NORM", "NONE"]}[folded]
-    assert gemv_steps == want * 4
+    all_steps, none = ["RMS_NORM", "ADD_RMS_NORM", "GATED"], ["NONE"] * 3
+    fp8, nvfp4 = {"1": (all_steps, all_steps), "0": (none, none), "fp8:all": (all_steps, none),
+                  "rms_norm,add_rms_norm": (["RMS_NORM", "ADD_RMS_NORM", "NONE"],) * 2}[folded]
+    assert gemv_steps == fp8 * 3 + nvfp4  # FP8 per tensor, channel, block; NVFP4
 
 
 def test_fused_ops_past_the_folding_rows_keep_the_step_apart(gemv_steps, monkeypatch):
@@ -272,11 +274,14 @@ def test_fused_ops_past_the_folding_rows_keep_the_step_apart(gemv_steps, monkeyp
 
 
 def test_the_folded_steps_from_the_environment():
-    assert ql._steps_from_env(None) == ql._steps_from_env("1") == set(ql.STEPS)
-    assert ql._steps_from_env("0") == ql._steps_from_env("") == set()
-    assert ql._steps_from_env(" gated ") == {"GATED"}
-    with pytest.raises(ValueError, match="expected 1, 0 or some of RMS_NORM, ADD_RMS_NORM, GATED"):
-        ql._steps_from_env("norm")
+    every = {(f, s) for f in ql.FORMATS for s in ql.STEPS}
+    assert ql._folded_from_env(None) == ql._folded_from_env("1") == ql._folded_from_env("all") == every
+    assert ql._folded_from_env("0") == ql._folded_from_env("") == set()
+    assert ql._folded_from_env(" gated , NVFP4:rms_norm") == {("fp8", "GATED"), ("nvfp4", "GATED"),
+                                                               ("nvfp4", "RMS_NORM")}
+    for bad in ("norm", "fp4:all", "fp8:"):
+        with pytest.raises(ValueError, match="is none of 1, 0, STEP, FORMAT:STEP, FORMAT:all"):
+            ql._folded_from_env(bad)
 
 
 def test_fused_ops_past_the_gemv_rows_keep_the_step_before_the_gemm(kernels):
