@@ -87,7 +87,17 @@ def _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, mask, K, rstd, sumsq
     norm_w = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if TWO_PASS:
         return (xf * rstd[:, None] * norm_w).to(dtype), sumsq
-    return (xf * norm_w).to(dtype), sumsq + xf * xf
+    return (xf * norm_w).to(dtype), _add_squares(sumsq, xf)
+
+
+@triton.jit
+def _add_squares(sumsq, xf):
+    """sumsq + x^2, each lane of ``sumsq`` taking adjacent lanes of x where it has fewer (a smaller
+    accumulator: the quantized GEMV's registers)."""
+    if sumsq.shape[1] == xf.shape[1]:
+        return sumsq + xf * xf
+    fold: tl.constexpr = xf.shape[1] // sumsq.shape[1]
+    return sumsq + tl.sum(tl.reshape(xf * xf, [xf.shape[0], sumsq.shape[1], fold]), 2)
 
 
 @triton.jit
@@ -105,6 +115,15 @@ def _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm,
         xf = x.to(tl.float32)
         sumsq += tl.sum(xf * xf, 1)
     return tl.rsqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _normalize_rows(out, sumsq, K, eps, PROLOGUE: tl.constexpr, TWO_PASS: tl.constexpr):
+    """``out`` [BLOCK_M, features] times each row's 1/rms where the operand left it out (the one-pass
+    norms: ``sumsq`` holds each row's x^2 per k-lane)."""
+    if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
+        out = out * tl.rsqrt(tl.sum(sumsq, 1) / K + eps)[:, None]
+    return out
 
 
 @triton.jit
@@ -166,9 +185,8 @@ def _gemv_kernel(
         acc = _accumulate(acc, w, a, BLOCK_M)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
-    out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
-    if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:
-        out = out * tl.rsqrt(tl.sum(sumsq, 1) / K + eps)[:, None]
+    out = _normalize_rows(tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2), sumsq, K, eps, PROLOGUE,
+                          TWO_PASS)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -231,24 +249,71 @@ def gemv(
     release and end (``kernels/trace.py``).
     """
     n, k = weight.shape
-    rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    rows = unit_stride(x.reshape(-1, x.shape[-1]))
     m = rows.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {m}")
-    if rows.shape[1] != (2 * k if prologue == Prologue.GATED else k):
+    if rows.shape[1] != operand_columns(k, prologue):
         raise ValueError(f"x has {rows.shape[1]} columns, weight {tuple(weight.shape)} (prologue {prologue})")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res = summed = rows
-    if prologue == Prologue.ADD_RMS_NORM:
-        res = residual.reshape(-1, k)
-        res = res if res.stride(-1) == 1 else res.contiguous()
-        summed = torch.empty_like(rows)
+    res, norm_w, summed = GemvPrologue(prologue, residual, norm_weight, eps, activation).tensors(rows, k, "gemv")
     if m:
-        _launch(rows, res, norm_weight if norm_weight is not None else weight, weight, bias, out, summed, eps,
-                prologue, activation, launch or GemvLaunch.choose(n, k, m), trace_buffer)
+        _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation,
+                launch or GemvLaunch.choose(n, k, m), trace_buffer)
     shape = (*x.shape[:-1], n)
     return out.view(shape), (summed.view(x.shape) if prologue == Prologue.ADD_RMS_NORM else None)
+
+
+def operand_columns(k: int, prologue: Prologue) -> int:
+    """The columns of x a GEMV of K input features reads: gate and up (2K) for ``GATED``, else K."""
+    return 2 * k if prologue == Prologue.GATED else k
+
+
+def unit_stride(rows: torch.Tensor) -> torch.Tensor:
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+@dataclass(frozen=True)
+class GemvPrologue:
+    """A prologue and its inputs (the quantized GEMVs take it as one argument): ``RMS_NORM``
+    ``rms_norm(x, norm_weight, eps)``, ``ADD_RMS_NORM`` the same of ``x + residual`` (also returned),
+    ``GATED`` ``activation(x[:, :K]) * x[:, K:]``."""
+
+    kind: Prologue = Prologue.NONE
+    residual: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    activation: str = "silu"
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATION_IDS:
+            raise ValueError(f"unknown activation '{self.activation}', known: {sorted(ACTIVATION_IDS)}")
+
+    def tensors(self, rows: torch.Tensor, k: int, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(residual rows, norm weight, x + residual buffer)`` the kernels read and write for x's ``rows``
+        [M, columns] (x's rows stand in for what the prologue does not use); a ValueError where they do not fit."""
+        res = summed = norm_w = rows
+        if self.kind in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM):
+            if self.norm_weight is None or self.norm_weight.numel() != k:
+                got = None if self.norm_weight is None else tuple(self.norm_weight.shape)
+                raise ValueError(f"{what}: {self.kind.name} needs a norm weight of {k} elements, got {got}")
+            norm_w = self.norm_weight
+        if self.kind == Prologue.ADD_RMS_NORM:
+            residual = self.residual
+            if residual is None or residual.numel() != rows.numel() or residual.dtype != rows.dtype:
+                got = None if residual is None else f"{residual.dtype} of shape {tuple(residual.shape)}"
+                raise ValueError(f"{what}: ADD_RMS_NORM needs a residual shaped and typed as x "
+                                 f"({rows.dtype}, {rows.numel()} elements), got {got}")
+            res, summed = unit_stride(residual.reshape(-1, k)), torch.empty_like(rows)
+        return res, norm_w, summed
+
+
+NO_PROLOGUE = GemvPrologue()
+
+
+def two_pass(dtype: torch.dtype, prologue: Prologue) -> bool:
+    """Whether the norm's 1/rms is computed in a first pass (fp16: the module doc)."""
+    return dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM)
 
 
 def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activation, launch: GemvLaunch,
@@ -261,7 +326,7 @@ def _launch(rows, res, norm_w, weight, bias, out, summed, eps, prologue, activat
         trace.kernel_pointer(trace_buffer, programs, out),
         m, n, k, rows.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=int(prologue), ACTIVATION=ACTIVATION_IDS[activation],
-        TWO_PASS=rows.dtype == torch.float16 and prologue in (Prologue.RMS_NORM, Prologue.ADD_RMS_NORM),
+        TWO_PASS=two_pass(rows.dtype, prologue),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, TRIGGER=int(launch.trigger), PRELOAD=launch.preload,
         TRACE=trace_buffer is not None, num_warps=launch.num_warps, num_stages=1, **options,

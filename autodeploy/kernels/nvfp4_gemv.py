@@ -5,8 +5,8 @@ reference: products in fp32, per block of 16 summed and times the block's e4m3 s
 Every value is where its thread needs it, so no layout conversion, shared memory or barrier is left in the
 loop: a thread owns 16 bytes (4 words of 8 codes: 32 elements, two scale blocks) of each of the program's
 ``BLOCK_N`` features at one K position, loaded as int32 words in the checkpoint's byte order; the activations of
-those 32 elements (loaded once for the features: ``load_activations``, the one place a norm / SiLU·mul prologue
-would go) and the two scales of each feature sit in the same thread. Word q of group g holds element
+those 32 elements (loaded once for the features: ``load_operand``, where the bf16 GEMV's prologues apply) and
+the two scales of each feature sit in the same thread. Word q of group g holds element
 ``32 g + 8 q + i`` in its nibble i; ``E2M1_WORD_ASM`` decodes a word into its eight values (fp16 pairs by
 shifts and masks, widened to fp32), and each block's 16 products are one FMA chain, then one FMA with its scale.
 Threads span K (one group each), features repeat in the thread; the sum over K is one reduction at the end.
@@ -20,6 +20,11 @@ addresses and masks. The issue budget at the copy bandwidth is ~4.9 per element 
 this kernel is near the H100's and ~60% of the H200's. On the CUDA cores the decode + widen + FMA floor is
 ~3.9 per element; below that is the tensor cores' work (``mma`` m16n8k16 on the decoded fp16/bf16 pairs with the
 activations as the one useful column: no widening, no FMA, ~2.6 per element by count), left for later.
+
+Prologues (``quant_gemv.nvfp4_prologue_gemv``): as ``gemv._operand`` (each step rounded to x's dtype; RMSNorm's
+1/rms a factor of each sum, from x^2 summed per thread; x + residual written before the loop). Per element they
+add to the 4.95 (sm_90): RMSNorm 1.33 (96 registers), add + RMSNorm 2.55 (96), SiLU·mul 4.0 (64): on a loop
+issue-bound already, which is why ``ops/quant_linear.py`` runs NVFP4's steps apart by default.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .activation import ACTIVATION_IDS, activate
+from .e2m1 import e2m1_ptx, e2m1_to_fp16
+from .gemv import GemvPrologue, Prologue, _inverse_rms, _operand, two_pass
 from .pdl import Trigger
-from .quant_gemv import e2m1_ptx, e2m1_to_fp16
 
 AFTER_LOOP = tl.constexpr(Trigger.AFTER_LOOP.value)
+NONE, RMS_NORM, ADD_RMS_NORM, GATED = (tl.constexpr(p.value) for p in Prologue)
 GROUP_WORDS = tl.constexpr(4)  # one thread's 32-bit words of a feature: 32 elements, two scale blocks
 
 
@@ -70,6 +78,28 @@ def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr, X_PAIRS: tl.co
     else:
         ks = k0 + groups[:, None, None] * 32 + words * 8 + tl.arange(0, 8)[None, None, :]
         return tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_operand(x_ptr, res_ptr, norm_w_ptr, k0, groups, K, rstd, sumsq, BLOCK_G: tl.constexpr,
+                 X_PAIRS: tl.constexpr, RES_PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr, PROLOGUE: tl.constexpr,
+                 ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr):
+    """``load_activations`` with the prologue applied as ``gemv._operand`` applies it (each step rounded to x's
+    dtype), and the running x^2 per group (``sumsq`` [BLOCK_G]: the one-pass norms' 1/rms, applied to the sums
+    at the end); ``*_PAIRS``: that tensor read as bf16 pairs."""
+    x = load_activations(x_ptr, k0, groups, K, BLOCK_G, X_PAIRS)
+    if PROLOGUE == NONE:
+        return x, sumsq
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if PROLOGUE == GATED:  # x [2K]: gate then up
+        up = load_activations(x_ptr + K, k0, groups, K, BLOCK_G, X_PAIRS)
+        return (activate(x, ACTIVATION) * up).to(dtype).to(tl.float32), sumsq
+    if PROLOGUE == ADD_RMS_NORM:
+        x = (x + load_activations(res_ptr, k0, groups, K, BLOCK_G, RES_PAIRS)).to(dtype).to(tl.float32)
+    norm_w = load_activations(norm_w_ptr, k0, groups, K, BLOCK_G, NORM_PAIRS)
+    if TWO_PASS:
+        return (x * rstd * norm_w).to(dtype).to(tl.float32), sumsq
+    return (x * norm_w).to(dtype).to(tl.float32), sumsq + tl.sum(tl.sum(x * x, 2), 1)
 
 
 @triton.jit
@@ -116,11 +146,11 @@ def _chain(s, w, x, E2M1_PTX: tl.constexpr):
 
 
 @triton.jit
-def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_blocks, stride_sn, stride_sk,
-                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr, X_PAIRS: tl.constexpr):
-    """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0:
-    each block of 16 (words 0-1, 2-3 of a group) summed in one chain, times its e4m3 scale."""
-    x = load_activations(x_ptr, 8 * w0, groups, K, BLOCK_G, X_PAIRS)
+def _group_products(acc, w, x, scale_ptr, cols, col_ok, groups, w0, row_blocks, stride_sn, stride_sk,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, E2M1_PTX: tl.constexpr):
+    """acc [BLOCK_G, BLOCK_N] += the products of one tile ``w`` [BLOCK_G, BLOCK_N, 4] of words from word w0 with
+    their activations ``x`` [BLOCK_G, 4, 8]: each block of 16 (words 0-1, 2-3 of a group) summed in one chain,
+    times its e4m3 scale."""
     x_first, x_second = tl.split(tl.permute(tl.reshape(x, [BLOCK_G, 2, 2, 8]), (0, 1, 3, 2)))  # [G, 2, 8]
     w_first, w_second = tl.split(tl.reshape(w, [BLOCK_G, BLOCK_N, 2, 2]))  # [G, N, 2]: a block's two words
     sums = _chain(tl.zeros([BLOCK_G, BLOCK_N, 2], dtype=tl.float32), w_first, x_first, E2M1_PTX)
@@ -134,14 +164,15 @@ def _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_b
 
 @triton.jit
 def _nvfp4_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
-    N, K, row_words, stride_wn, stride_sn, stride_sk, stride_os, out_factor,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, sum_ptr,
+    N, K, row_words, stride_wn, stride_sn, stride_sk, stride_os, out_factor, eps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
-    X_PAIRS: tl.constexpr = False,
+    X_PAIRS: tl.constexpr = False, RES_PAIRS: tl.constexpr = False, NORM_PAIRS: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = 0, ACTIVATION: tl.constexpr = 0, TWO_PASS: tl.constexpr = False,
 ):
     """``w_ptr``: the packed weight as 32-bit words, ``stride_wn`` words a row; ``X_PAIRS``: x is bf16 on a
-    4-byte boundary, read as pairs (``load_activations``)."""
+    4-byte boundary, read as pairs (``load_activations``); the prologue's arguments as ``quant_gemv``'s."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -151,19 +182,42 @@ def _nvfp4_gemv_kernel(
     TILE_WORDS: tl.constexpr = BLOCK_G * GROUP_WORDS
     w_next = pdl.load_around_wait(w_rows + tile, col_ok[None, :, None] & (tile < row_words),
                                   tl.zeros([BLOCK_G, BLOCK_N, GROUP_WORDS], dtype=tl.int32), PDL, TRIGGER, PRELOAD)
+    rstd = _prologue_pass(x_ptr, res_ptr, sum_ptr, K, eps, 8 * TILE_WORDS, PROLOGUE, TWO_PASS)
+    sumsq = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     for w0 in range(0, row_words, TILE_WORDS):
         w = w_next
         ws = w0 + TILE_WORDS + tile
         w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
-        acc = _group_products(acc, w, x_ptr, scale_ptr, cols, col_ok, groups, w0, K, row_words // 2, stride_sn,
-                              stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX, X_PAIRS)
+        x, sumsq = load_operand(x_ptr, res_ptr, norm_w_ptr, 8 * w0, groups, K, rstd, sumsq, BLOCK_G, X_PAIRS,
+                                RES_PAIRS, NORM_PAIRS, PROLOGUE, ACTIVATION, TWO_PASS)
+        acc = _group_products(acc, w, x, scale_ptr, cols, col_ok, groups, w0, row_words // 2, stride_sn,
+                              stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 0) * tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0) * out_factor
+    if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:  # the norm's 1/rms, a factor of the dot
+        out *= tl.rsqrt(tl.sum(sumsq, 0) / K + eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _prologue_pass(x_ptr, res_ptr, sum_ptr, K, eps, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
+                   TWO_PASS: tl.constexpr):
+    """Before the loop: ``x + residual`` written (a tile a program, ``gemv._operand``'s rounding) for
+    ``ADD_RMS_NORM``, and the 1/rms of a first pass where ``TWO_PASS`` (fp16); 0.0 where none."""
+    row = tl.arange(0, 1)
+    if PROLOGUE == ADD_RMS_NORM:
+        for k0 in range(tl.program_id(0) * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            _operand(x_ptr, res_ptr, x_ptr, sum_ptr, row, ks, (ks < K)[None, :], K, row.to(tl.float32),
+                     tl.zeros([1, BLOCK_K], dtype=tl.float32), True, 0, 0, 0, PROLOGUE, 0, True)
+    rstd = 0.0
+    if TWO_PASS:
+        rstd = tl.sum(_inverse_rms(x_ptr, res_ptr, row, row < 1, K, eps, 0, 0, PROLOGUE, 1, BLOCK_K), 0)
+    return rstd
 
 
 def words_of(weight_packed: torch.Tensor) -> torch.Tensor | None:
@@ -175,19 +229,31 @@ def words_of(weight_packed: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def launch_one_row(x_row: torch.Tensor, words: torch.Tensor, scales, bias, block_n: int, block_g: int,
-                   num_warps: int, trigger: Trigger, preload: bool) -> torch.Tensor:
-    """out [1, N] = x_row [1, K] @ dequantize(W).T (+ bias): ``words`` int32 [N, K // 8], ``scales`` a
-    ``quant_gemv.ScaleLayout`` of the weight (the inputs already checked by ``nvfp4_gemv``)."""
-    n, k = words.shape[0], x_row.shape[1]
+def launch_one_row(x_row: torch.Tensor, words: torch.Tensor, scales, bias, launch, prologue: GemvPrologue):
+    """``(prologue(x_row) [1, K] @ dequantize(W).T (+ bias), x + residual or None)``: ``words`` int32
+    [N, K // 8], ``scales`` a ``quant_gemv.ScaleLayout`` of the weight, ``launch`` a ``QuantGemvLaunch`` (its
+    ``block_b // 16`` groups a tile; the inputs already checked by ``nvfp4_prologue_gemv``)."""
+    n, k = words.shape[0], words.shape[1] * 8
+    res, norm_w, summed = prologue.tensors(x_row, k, "nvfp4_gemv")
     out = torch.empty((1, n), dtype=x_row.dtype, device=x_row.device)
     if n:
-        _nvfp4_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x_row, words, scales.scale, scales.out_scale, bias if bias is not None else out, out,
-            n, k, words.shape[1], words.stride(0), scales.stride_n, scales.stride_k, scales.stride_out,
-            scales.factor, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_G=block_g,
-            TRIGGER=int(trigger), PRELOAD=preload, E2M1_PTX=e2m1_ptx(x_row.device),
-            X_PAIRS=e2m1_ptx(x_row.device) and x_row.dtype == torch.bfloat16 and x_row.data_ptr() % 4 == 0,
-            num_warps=num_warps, num_stages=1, **pdl.launch_options(x_row.device),
+        _nvfp4_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+            x_row, res, norm_w, words, scales.scale, scales.out_scale, bias if bias is not None else out, out,
+            summed, n, k, words.shape[1], words.stride(0), scales.stride_n, scales.stride_k, scales.stride_out,
+            scales.factor, float(prologue.eps), HAS_BIAS=bias is not None, BLOCK_N=launch.block_n,
+            BLOCK_G=launch.block_b // 16, TRIGGER=int(launch.trigger), PRELOAD=launch.preload,
+            E2M1_PTX=e2m1_ptx(x_row.device), X_PAIRS=_pairs(x_row), RES_PAIRS=_pairs(res), NORM_PAIRS=_pairs(norm_w),
+            PROLOGUE=int(prologue.kind), ACTIVATION=ACTIVATION_IDS[prologue.activation],
+            TWO_PASS=two_pass(x_row.dtype, prologue.kind), num_warps=launch.num_warps, num_stages=1,
+            **pdl.launch_options(x_row.device),
         )
-    return out
+    if prologue.kind != Prologue.ADD_RMS_NORM:
+        return out, None
+    if not n:  # no program to write x + residual
+        summed.copy_(x_row.float() + res.float())
+    return out, summed
+
+
+def _pairs(t: torch.Tensor) -> bool:
+    """Whether the kernel reads ``t`` as bf16 pairs (compiled for a GPU, bf16, on a 4-byte boundary)."""
+    return e2m1_ptx(t.device) and t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0

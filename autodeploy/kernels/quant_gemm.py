@@ -14,7 +14,7 @@
   e4m3 operands to fp16 in the loop (~3.6 SASS instructions per weight byte); ``fp8_small_m.py``
   swaps the operands so that the weight's features fill wgmma's 64 (~1.0) for decode rows.
 - ``nvfp4_gemm`` and ``fp8_weight_only_gemm``: weight-only, x stays in bf16/fp16; each weight tile
-  is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``quant_gemv.nvfp4_block_dequantize``,
+  is converted to x's dtype in registers (FP8 exactly; NVFP4 by ``e2m1.nvfp4_block_dequantize``,
   exact in fp16 and bf16) and multiplied on the tensor cores, one kernel for both
   (``_weight_only_gemm_kernel``, scales as ``quant_gemv.ScaleLayout`` describes them). At 16 rows this
   is the tensor-core alternative to the CUDA-core GEMVs of ``quant_gemv.py`` (the benchmark runs both).
@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from . import quant_reference as ref
+from .e2m1 import e2m1_ptx, nvfp4_block_dequantize
 from .fp8_quantize import fp8_quantize  # noqa: F401  (also this module's: the quantizer of fp8_gemm)
-from .quant_gemv import FP8, ScaleLayout, WeightFormat, e2m1_ptx, nvfp4_block_dequantize
+from .quant_gemv import FP8, ScaleLayout, WeightFormat
 
 BACKENDS = ("auto", "triton", "scaled_mm")
 # up to this many rows the split-K Triton GEMM beats cuBLASLt's rowwise FP8 GEMM, whose 128 x 128 tiles leave

@@ -1,9 +1,10 @@
 """Linear layers of a few rows (decode) on FP8 or NVFP4 weights, dequantized inside the kernel.
 
-``out[M, N] = x[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests), the
-products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
+``out[M, N] = prologue(x)[M, K] @ dequantize(W).T (+ bias)`` for M <= 4, x in bf16/fp16 (fp32 for tests),
+the products accumulated in fp32; the activations stay unquantized (weight-only). The formats and their
 references are in ``quant_reference.py``; ``quant_gemm.py`` has the same computation on the tensor
-cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows.
+cores (``fp8_weight_only_gemm``, ``nvfp4_gemm``), for any number of rows. The prologue (a ``GemvPrologue``
+of ``*_prologue_gemv``) is the bf16 GEMV's, applied as each tile of x loads (``gemv._operand``).
 
 The structure is the bf16 GEMV's (``gemv.py``): one program computes ``BLOCK_N`` output features of
 every row over the whole K on the CUDA cores, products accumulated per (row, feature, lane) and
@@ -15,13 +16,18 @@ sized in bytes, and each program loads its next weight tile before the products 
   block scale ``[ceil(N / bn), ceil(K / bk)]`` varies along K, so it multiplies the activations of
   each K block instead (every program's features lie in one row block: ``BLOCK_N`` divides bn).
 - NVFP4: each byte holds elements 2j (low nibble) and 2j + 1; ``e2m1_to_fp16`` moves the code's bits
-  into an fp16 (the value times 2**-14, exact; on the GPU ``E2M1_ASM`` does four bytes at a time);
+  into an fp16 (the value times 2**-14, exact; on the GPU ``E2M1_ASM`` does four bytes at a time: ``e2m1.py``);
   the products are summed per block of 16 and each sum multiplied by the block's e4m3 scale; the
   2**14 and the global scale multiply the sums at the end. The tensor-core path multiplies the fp16
   values by their scales instead (``nvfp4_block_dequantize``: exact in fp16, at most 8 significant
   bits and at least 2**-24). Hopper has no FP4 arithmetic, so this is the path of every GPU today;
   Blackwell's native FP4 GEMM (``torch._scaled_mm`` on float4_e2m1fn_x2 with swizzled scales) would
   be a second implementation behind ``nvfp4_gemv`` / ``nvfp4_gemm``, chosen by device.
+
+- Prologues (a fused op of ``ops/quant_linear.py`` in one launch): x^2 summed ``SQUARES_FOLD`` lanes to a
+  register, ``x + residual`` written before the weight loop (in it: 9 more registers). sm_90 registers at one
+  row, none / RMSNorm / add + RMSNorm / gated: FP8 58 / 64 / 72 / 68 (8, 8, 7, 7 programs per SM); NVFP4's one
+  row, ``nvfp4_gemv.py``'s word kernel (the same prologues in its ``load_operand``), 64 / 96 / 96 / 64.
 
 SASS of sm_90 (``bench/probes/fp8_small_m.py --sass``: the main loop's instructions per weight byte, per
 thread; no GPU needed): the FP8 GEMV's loop spends ~7 instructions per weight byte at one row, the
@@ -45,13 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import nvfp4_gemv as word_gemv
 from . import pdl
 from . import quant_reference as ref
-from .gemv import MAX_ROWS, _accumulate
+from .activation import ACTIVATION_IDS
+from .e2m1 import E2M1_UNIT, e2m1_pairs_to_fp16, e2m1_ptx
+from .gemv import (MAX_ROWS, NO_PROLOGUE, GemvPrologue, Prologue, _accumulate, _inverse_rms, _normalize_rows,
+                   _operand, operand_columns, two_pass)
 from .pdl import Trigger
-
-E2M1_UNIT = 16384.0  # e2m1_to_fp16 returns the value times 2**-14
-
 
 class WeightFormat(IntEnum):
     FP8 = 0
@@ -59,65 +66,20 @@ class WeightFormat(IntEnum):
 
 
 FP8, NVFP4 = (tl.constexpr(f.value) for f in WeightFormat)
-START, AFTER_WAIT, AFTER_LOOP = (tl.constexpr(t.value) for t in Trigger)
+ADD_RMS_NORM = tl.constexpr(Prologue.ADD_RMS_NORM.value)
+SQUARES_FOLD = tl.constexpr(8)  # adjacent x^2 summed in the thread: the RMSNorm's accumulator, 1/8 of the lanes
+AFTER_LOOP = tl.constexpr(Trigger.AFTER_LOOP.value)
 
 
 @triton.jit
-def e2m1_to_fp16(code):
-    """The e2m1 value of ``code`` (its low 4 bits) times 2**-14, as fp16: the sign bit moves to bit
-    15, exponent and mantissa to bits 10-9, so exponent e > 0 reads as 2**(e - 15) and the e2m1
-    subnormal 0.5 as fp16's subnormal 2**-15."""
-    c = code.to(tl.uint16)
-    return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.float16, bitcast=True)
-
-
-# e2m1_to_fp16 on four packed bytes at once (sm_80+ PTX; the interpreter runs e2m1_to_fp16): the
-# bytes spread to the 16-bit halves of two words (prmt), then per half the low nibble's magnitude
-# shifted to bits 11-9 and its sign to bit 15 (shl; and; lop3 0xE4 = c ? a : b), likewise the high
-# nibble's. Out: low nibbles of bytes 0-1, 2-3, then high nibbles of bytes 0-1, 2-3 (fp16 pairs).
-def _e2m1_asm() -> str:
-    lines = ["{", ".reg .b32 t0, t1, a, b;", "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
-    for out, (word, magnitude, sign) in enumerate([("t0", 9, 12), ("t1", 9, 12), ("t0", 5, 8), ("t1", 5, 8)]):
-        lines += [f"shl.b32 a, {word}, {magnitude};", f"shl.b32 b, {word}, {sign};",
-                  "and.b32 b, b, 0x80008000;", f"lop3.b32 ${out}, a, b, 0x0E000E00, 0xE4;"]
-    return "\n".join(lines + ["}"])
-
-
-E2M1_ASM = tl.constexpr(_e2m1_asm())
-
-
-@triton.jit
-def e2m1_pairs_to_fp16(packed, ROWS: tl.constexpr, BYTES: tl.constexpr, ASM: tl.constexpr):
-    """A [ROWS, BYTES] tile of packed bytes as [ROWS, 2 * BYTES] fp16 elements in order (low nibble
-    first), times 2**-14 (``e2m1_to_fp16``); ``ASM``: four bytes per PTX sequence (``E2M1_ASM``)."""
-    if ASM:
-        low, high = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,r", [packed],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
-        low, high = e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4)
-    return tl.reshape(tl.join(low, high), [ROWS, 2 * BYTES])
-
-
-@triton.jit
-def nvfp4_block_dequantize(packed, scale, ROWS: tl.constexpr, ELEMENTS: tl.constexpr, ASM: tl.constexpr):
-    """A [ROWS, ELEMENTS // 2] tile of packed bytes and its [ROWS, ELEMENTS // 16] e4m3 scales as
-    [ROWS, ELEMENTS // 16, 16] fp16 values times 2**-14: exact (each product has at most 8
-    significant bits and is a multiple of 2**-24, fp16's smallest subnormal, below 0.17)."""
-    values = tl.reshape(e2m1_pairs_to_fp16(packed, ROWS, ELEMENTS // 2, ASM), [ROWS, ELEMENTS // 16, 16])
-    return values * scale.to(tl.float16)[:, :, None]
-
-
-@triton.jit
-def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm, stride_sn,
-                   stride_sk, block_row, scale_cols, FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                   E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
+def _tile_products(acc, w, x, scale_ptr, cols, col_ok, b0, K, stride_sn, stride_sk, block_row, scale_cols,
+                   FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_B: tl.constexpr, E2M1_PTX: tl.constexpr, FOLD: tl.constexpr):
     """acc += the products of one weight tile ``w`` [BLOCK_N, BLOCK_B] of bytes (uint8: masked lanes load
-    as zeros, which no float8 ``other`` can say) from byte column ``b0``."""
+    as zeros, which no float8 ``other`` can say) from byte column ``b0`` with the operand ``x`` (fp32
+    [BLOCK_M, the tile's elements], zero past K)."""
     bs = b0 + tl.arange(0, BLOCK_B)
     if FORMAT == FP8:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + bs[None, :], mask=row_ok[:, None] & (bs < K)[None, :],
-                    other=0.0).to(tl.float32)
         if BLOCK_SCALED:  # the scale of (this program's row block, each column's K block)
             k_scale = tl.load(scale_ptr + block_row * stride_sn + (bs // scale_cols) * stride_sk, mask=bs < K,
                               other=0.0)
@@ -131,9 +93,6 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
         # NVFP4: bytes -> elements in order (low nibble first), products summed per block of 16
         # elements, each sum times its block's e4m3 scale: one multiply and one accumulator per block
         w = e2m1_pairs_to_fp16(w, BLOCK_N, BLOCK_B, E2M1_PTX)
-        ks = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
-                    other=0.0).to(tl.float32)
         blocks = b0 // 8 + tl.arange(0, BLOCK_B // 8)
         scale = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :] * stride_sk,
                         mask=col_ok[:, None] & (blocks * 16 < K)[None, :], other=0.0).to(tl.float32)
@@ -147,10 +106,13 @@ def _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, 
 
 
 @triton.jit
-def _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, stride_om, stride_os,
-                    out_factor, BLOCK_M: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The features ``cols`` of every row from their accumulator: lanes summed, scaled, bias added, stored."""
+def _store_features(acc, sumsq, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, K, stride_om,
+                    stride_os, out_factor, eps, BLOCK_M: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, TWO_PASS: tl.constexpr):
+    """The features ``cols`` of every row from their accumulator: lanes summed, scaled (by the norm's
+    1/rms too), bias added, stored."""
     out = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else tl.sum(acc, 2)
+    out = _normalize_rows(out, sumsq, K, eps, PROLOGUE, TWO_PASS)
     if not BLOCK_SCALED:  # a per-tensor (stride 0) or per-channel FP8 scale, or the NVFP4 global scale
         out *= tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0)[None, :]
     out *= out_factor
@@ -162,13 +124,13 @@ def _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, c
 
 @triton.jit(do_not_specialize=["M"])
 def _quant_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, row_bytes, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, stride_os, scale_rows,
-    scale_cols, out_factor,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, scale_ptr, out_scale_ptr, bias_ptr, out_ptr, sum_ptr,
+    M, N, K, row_bytes, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_sn, stride_sk, stride_os,
+    scale_rows, scale_cols, out_factor, eps,
     FORMAT: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
-    FOLD: tl.constexpr = 1,
+    FOLD: tl.constexpr = 1, PROLOGUE: tl.constexpr = 0, ACTIVATION: tl.constexpr = 0, TWO_PASS: tl.constexpr = False,
 ):
     tl.static_assert(FOLD == 1 or (BLOCK_M == 1 and FORMAT == FP8), "FOLD: FP8 at one row")
     pid = tl.program_id(0)
@@ -181,30 +143,36 @@ def _quant_gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     # the next tile's bytes are loaded before the current tile's products: a tile in flight while
     # the program computes (the first one before the wait: no kernel of the step writes weights)
-    first_mask = col_ok[:, None] & (lanes < row_bytes)[None, :]
-    w_next = tl.zeros([BLOCK_N, BLOCK_B], dtype=w_ptr.dtype.element_ty)
-    if PRELOAD:
-        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
-    if TRIGGER == START:
-        pdl.allow_dependents(PDL)
-    pdl.wait(PDL)
-    if TRIGGER == AFTER_WAIT:
-        pdl.allow_dependents(PDL)
-    if not PRELOAD:
-        w_next = tl.load(w_rows + lanes[None, :], mask=first_mask, other=0)
+    w_next = pdl.load_around_wait(w_rows + lanes[None, :], col_ok[:, None] & (lanes < row_bytes)[None, :],
+                                  tl.zeros([BLOCK_N, BLOCK_B], dtype=w_ptr.dtype.element_ty), PDL, TRIGGER, PRELOAD)
     lanes_acc: tl.constexpr = BLOCK_B // FOLD if FORMAT == FP8 else BLOCK_B // 8  # per byte / per NVFP4 block
     acc = tl.zeros([BLOCK_N, lanes_acc] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N, lanes_acc], dtype=tl.float32)
+    # the operand: one element per FP8 byte, two per NVFP4 byte, the prologue applied as gemv.py applies it
+    ELEMENTS: tl.constexpr = BLOCK_B if FORMAT == FP8 else 2 * BLOCK_B
+    elements = tl.arange(0, ELEMENTS)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TWO_PASS:
+        rstd = _inverse_rms(x_ptr, res_ptr, rows, row_ok, K, eps, stride_xm, stride_rm, PROLOGUE, BLOCK_M, ELEMENTS)
+    # x^2 per (row, SQUARES_FOLD adjacent lanes): an accumulator of a register or two
+    sumsq = tl.zeros([BLOCK_M, ELEMENTS // SQUARES_FOLD], dtype=tl.float32)
+    if PROLOGUE == ADD_RMS_NORM:  # x + residual, written before the loop (in it: 9 more registers), a tile a program
+        for k0 in range(pid * ELEMENTS, K, tl.num_programs(0) * ELEMENTS):
+            ks = k0 + elements
+            _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :], K, rstd,
+                     sumsq, True, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
     for b0 in range(0, row_bytes, BLOCK_B):
         w = w_next
         bs = b0 + BLOCK_B + lanes  # past the row on the last iteration: masked, nothing read
         w_next = tl.load(w_rows + bs[None, :], mask=col_ok[:, None] & (bs < row_bytes)[None, :], other=0)
-        acc = _tile_products(acc, w, x_ptr, scale_ptr, rows, row_ok, cols, col_ok, b0, K, stride_xm,
-                             stride_sn, stride_sk, block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M,
-                             BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
+        ks = b0 * (ELEMENTS // BLOCK_B) + elements
+        x, sumsq = _operand(x_ptr, res_ptr, norm_w_ptr, sum_ptr, rows, ks, row_ok[:, None] & (ks < K)[None, :], K,
+                            rstd, sumsq, False, stride_xm, stride_rm, stride_sm, PROLOGUE, ACTIVATION, TWO_PASS)
+        acc = _tile_products(acc, w, x.to(tl.float32), scale_ptr, cols, col_ok, b0, K, stride_sn, stride_sk,
+                             block_row, scale_cols, FORMAT, BLOCK_SCALED, BLOCK_M, BLOCK_N, BLOCK_B, E2M1_PTX, FOLD)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
-    _store_features(acc, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, stride_om, stride_os,
-                    out_factor, BLOCK_M, BLOCK_SCALED, HAS_BIAS)
+    _store_features(acc, sumsq, out_scale_ptr, bias_ptr, out_ptr, rows, row_ok, cols, col_ok, K, stride_om, stride_os,
+                    out_factor, eps, BLOCK_M, BLOCK_SCALED, HAS_BIAS, PROLOGUE, TWO_PASS)
 
 
 @dataclass(frozen=True)
@@ -316,16 +284,24 @@ def fp8_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     ``weight_fp8`` float8_e4m3fn [N, K]; ``weight_scale`` fp32 per tensor, per channel ([N]) or per
     block ([ceil(N / bn), ceil(K / bk)] with ``block_size=(bn, bk)``); the result has x's dtype.
     """
+    return fp8_prologue_gemv(x, weight_fp8, weight_scale, block_size, bias, launch=launch)[0]
+
+
+def fp8_prologue_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, block_size=None,
+                      bias: torch.Tensor | None = None, *, prologue: GemvPrologue = NO_PROLOGUE,
+                      launch: QuantGemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(fp8_gemv(prologue(x), ...), x + residual or None)``: x [..., 2K] for ``GATED``, else [..., K]."""
     scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_gemv")
     n, k = weight_fp8.shape
-    rows = _rows(x, k, bias, n, "fp8_gemv")
+    rows = _rows(x, operand_columns(k, prologue.kind), bias, n, "fp8_gemv")
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
     launch.check(rows.shape[0], "fp8_gemv")
     if scales.block_scaled and scales.rows % launch.block_n:
         raise ValueError(f"fp8_gemv: block_n {launch.block_n} must divide the scale block's "
                          f"{scales.rows} rows")
-    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch)
+    return _launch(x, rows, weight_fp8.view(torch.uint8), scales, bias, WeightFormat.FP8, k, launch, prologue,
+                   "fp8_gemv")
 
 
 def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -334,12 +310,18 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     """``x @ dequantize(W).T + bias`` for x [..., K] of at most 4 rows and a ModelOpt NVFP4 weight:
     ``weight_packed`` uint8 [N, K // 2], ``weight_scale`` float8_e4m3fn [N, K // 16],
     ``weight_scale_2`` fp32 (one value, or one per row: fused parts with their own global scales)."""
-    from .nvfp4_gemv import launch_one_row, words_of  # (that module imports this one)
+    return nvfp4_prologue_gemv(x, weight_packed, weight_scale, weight_scale_2, bias, launch=launch)[0]
 
+
+def nvfp4_prologue_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        prologue: GemvPrologue = NO_PROLOGUE,
+                        launch: QuantGemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(nvfp4_gemv(prologue(x), ...), x + residual or None)``: x [..., 2K] for ``GATED``, else [..., K]."""
     scales = ScaleLayout.nvfp4(weight_packed, weight_scale, weight_scale_2, "nvfp4_gemv")
     n, row_bytes = weight_packed.shape
-    rows = _rows(x, 2 * row_bytes, bias, n, "nvfp4_gemv")
-    words = words_of(weight_packed) if rows.shape[0] == 1 and NVFP4_WORD_GEMV else None
+    rows = _rows(x, operand_columns(2 * row_bytes, prologue.kind), bias, n, "nvfp4_gemv")
+    words = word_gemv.words_of(weight_packed) if rows.shape[0] == 1 and NVFP4_WORD_GEMV else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.NVFP4, row_bytes, rows.shape[0],
                                               nvfp4_words=words is not None)
     if launch.fold != 1:
@@ -347,41 +329,42 @@ def nvfp4_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if launch.block_b < 16:  # whole blocks of 16 elements, and 4 bytes per PTX decode
         raise ValueError(f"nvfp4_gemv: block_b must be at least 16 bytes, got {launch.block_b}")
     if words is not None:  # one row: nvfp4_gemv.py's kernel, every value where its thread needs it
-        out = launch_one_row(rows, words, scales, bias, launch.block_n, launch.block_b // 16, launch.num_warps,
-                            launch.trigger, launch.preload)
-        return out.view(*x.shape[:-1], n)
-    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, row_bytes, launch)
+        out, summed = word_gemv.launch_one_row(rows, words, scales, bias, launch, prologue)
+        return out.view(*x.shape[:-1], n), None if summed is None else summed.view(x.shape)
+    return _launch(x, rows, weight_packed, scales, bias, WeightFormat.NVFP4, 2 * row_bytes, launch, prologue,
+                   "nvfp4_gemv")
 
 
-def e2m1_ptx(device: torch.device) -> bool:
-    """Whether kernels decode e2m1 with ``E2M1_ASM`` (compiled for a GPU) or in plain Triton (the
-    interpreter)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def _rows(x: torch.Tensor, k: int, bias, n: int, what: str) -> torch.Tensor:
-    """x as [M, K] rows with unit column stride, after the checks every GEMV shares."""
-    ref.check_activations(x, k, what)
+def _rows(x: torch.Tensor, columns: int, bias, n: int, what: str) -> torch.Tensor:
+    """x as [M, columns] rows with unit column stride, after the checks every GEMV shares."""
+    ref.check_activations(x, columns, what)
     ref.check_bias(bias, n, what)
-    rows = x.reshape(-1, k)
+    rows = x.reshape(-1, columns)
     if rows.shape[0] > MAX_ROWS:
         raise ValueError(f"{what} takes at most {MAX_ROWS} rows, got {rows.shape[0]}")
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, row_bytes: int,
-            launch: QuantGemvLaunch) -> torch.Tensor:
+def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, k: int, launch: QuantGemvLaunch,
+            prologue: GemvPrologue, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, n = rows.shape[0], weight.shape[0]
+    res, norm_w, summed = prologue.tensors(rows, k, what)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         _quant_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
-            rows, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out,
-            m, n, rows.shape[1], row_bytes, rows.stride(0), weight.stride(0), out.stride(0),
-            *scales.kernel_args(),
+            rows, res, norm_w, weight, scales.scale, scales.out_scale, bias if bias is not None else out, out, summed,
+            m, n, k, weight.shape[1], rows.stride(0), res.stride(0), weight.stride(0), out.stride(0),
+            summed.stride(0),
+            *scales.kernel_args(), float(prologue.eps),
             FORMAT=int(fmt), BLOCK_SCALED=scales.block_scaled, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=launch.block_n, BLOCK_B=launch.block_b,
             TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=e2m1_ptx(x.device), FOLD=launch.fold,
-            num_warps=launch.num_warps, num_stages=1,
+            PROLOGUE=int(prologue.kind), ACTIVATION=ACTIVATION_IDS[prologue.activation],
+            TWO_PASS=two_pass(rows.dtype, prologue.kind), num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x.device),
         )
-    return out.view(*x.shape[:-1], n)
+    if prologue.kind != Prologue.ADD_RMS_NORM:
+        return out.view(*x.shape[:-1], n), None
+    if not n:  # no program to write x + residual
+        summed.copy_(rows.float() + res.float())
+    return out.view(*x.shape[:-1], n), summed.view(x.shape)

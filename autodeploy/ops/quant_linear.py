@@ -29,7 +29,12 @@ so it computes the reference's rounding).
 Fused variants mirror ``ops/fused_linear.py``: ``{fp8,nvfp4}_rms_norm_linear(x, norm_weight, eps,
 <linear args after x>)``, ``..._add_rms_norm_linear(x, residual, norm_weight, eps, <...>)`` ->
 ``(out, x + residual)`` and ``..._swiglu_down(gate_up, <linear args after x>, activation)``: each is
-exactly the norm / ``act(gate) * up`` op followed by the quantized linear.
+exactly the norm / ``act(gate) * up`` op followed by the quantized linear. At the "gemv" path the step is
+folded into the GEMV's operand loads, as the bf16 ops fold it into theirs (``*_prologue_gemv``: one launch
+instead of two, the norm's 1/rms applied to the sums; ``AUTODEPLOY_QUANT_GEMV_PROLOGUE`` and
+``..._MAX_ROWS`` say which steps, formats and rows); where the FP8 x FP8 GEMMs take the call, the activation
+quantizer is folded into the step's kernel (``kernels/norm_quantize.py``); elsewhere the step's kernel runs
+before the linear.
 """
 
 from __future__ import annotations
@@ -53,6 +58,44 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # (~1.1 SASS instructions per weight byte in its sm_90 loop against ~6.7 for the FP8 GEMV, ~5.8 for the
 # weight-only GEMM); off until timed on a GPU (bench/probes/fp8_small_m.py): the switch of the A/B runs
 FP8_SMALL_M_MAX_ROWS = int(os.environ.get("AUTODEPLOY_FP8_SMALL_M_MAX_ROWS", "0"))
+STEPS = ("RMS_NORM", "ADD_RMS_NORM", "GATED")  # the fused ops' steps (kernels/gemv.py's Prologue names)
+FORMATS = ("fp8", "nvfp4")
+
+
+# unset: FP8's steps folded, NVFP4's apart. The folds add sm_90 SASS instructions to the one-row loops (per weight
+# byte, FP8 7.0 plain -> 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated); NVFP4's word kernel is issue-bound
+# already (4.95 per element against an H100's ~4.9 budget at the copy bandwidth) and its fold costs 6.3 / 7.5 / 9.0
+# per element (and 96 registers for the norms, 64 plain): +27% / +52% / +81% on the whole weight stream, e.g.
+# ~5 / ~10 us on an 8B gate_up at an H100's bandwidth, against one step kernel of a few us
+DEFAULT_FOLDED = "fp8:all"
+
+
+def _folded_from_env(value: str | None) -> frozenset[tuple[str, str]]:
+    """``AUTODEPLOY_QUANT_GEMV_PROLOGUE``: the (format, step) pairs whose step folds into the GEMV. Unset
+    ``DEFAULT_FOLDED``, ``1`` all, ``0`` or empty none, else a comma list of ``STEP`` (both formats), ``FORMAT:STEP``
+    or ``FORMAT:all``."""
+    if value is None:
+        value = DEFAULT_FOLDED
+    if value.strip() == "1":
+        return frozenset((f, s) for f in FORMATS for s in STEPS)
+    pairs = set()
+    for item in (v.strip() for v in value.split(",") if v.strip() not in ("", "0")):
+        fmt, _, step = item.rpartition(":")
+        formats = (fmt.lower(),) if fmt else FORMATS
+        steps = STEPS if step.lower() == "all" else (step.upper(),)
+        if not set(formats) <= set(FORMATS) or not set(steps) <= set(STEPS):
+            raise ValueError(f"AUTODEPLOY_QUANT_GEMV_PROLOGUE={value!r}: {item!r} is none of 1, 0, STEP, FORMAT:STEP, "
+                             f"FORMAT:all (formats {', '.join(FORMATS)}; steps {', '.join(STEPS)})")
+        pairs |= {(f, s) for f in formats for s in steps}
+    return frozenset(pairs)
+
+
+# the fused ops' steps folded into the GEMV's operand loads at the "gemv" path (one launch, not two); the others
+# run as their own kernel before the GEMV (the A/B: bench/probes/quant_kernels.py --steps)
+QUANT_GEMV_PROLOGUE = _folded_from_env(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE"))
+# up to this many rows (every program applies the step to every row: at 4 rows the FP8 GEMV's loop, already
+# issue-bound, takes 14.3 instructions per weight byte with add + RMSNorm against 12.1 plain)
+QUANT_GEMV_PROLOGUE_MAX_ROWS = int(os.environ.get("AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS", "4"))
 
 
 def quant_kernel(rows: int, on_gpu: bool, kind: str, activations: str = "none",
@@ -154,8 +197,12 @@ def _static(input_scale, activations: str):
     return input_scale if activations == "static" else None
 
 
+def _nvfp4_path(x: torch.Tensor) -> str:
+    return quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
+
+
 def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
-    path = quant_kernel(x.numel() // x.shape[-1], use_triton(x), "nvfp4")
+    path = _nvfp4_path(x)
     if path == "reference":
         return nvfp4_linear_reference(x, weight, weight_scale, weight_scale_2, bias)
     if path == "gemv":
@@ -165,6 +212,39 @@ def _nvfp4(x, weight, weight_scale, weight_scale_2, bias) -> torch.Tensor:
     # a per-row weight_scale_2 (fused parts with their own global scales) scales each output feature in the kernel
     out = kernel(_rows(x), weight, weight_scale, weight_scale_2, bias=bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _folds_step(x: torch.Tensor, path: str, fmt: str, step: str) -> bool:
+    """Whether a fused op runs its norm / activation (``step``, of ``STEPS``) in the quantized GEMV's operand
+    loads: at the "gemv" path (weight-only activations, no quantizer in the step), unless switched off."""
+    rows = x.numel() // x.shape[-1]
+    return path == "gemv" and (fmt, step) in QUANT_GEMV_PROLOGUE and rows <= QUANT_GEMV_PROLOGUE_MAX_ROWS
+
+
+def _step(kind: str, **inputs):
+    """The ``GemvPrologue`` of one fused op's step (``STEPS``)."""
+    from ..kernels.gemv import GemvPrologue, Prologue
+
+    return GemvPrologue(Prologue[kind], **inputs)
+
+
+def _fp8_with_step(x, step, weight, weight_scale, bias, block_size):
+    """``(fp8 linear of step(x), x + residual or None)``: one GEMV launch."""
+    from ..kernels.quant_gemv import fp8_prologue_gemv
+
+    return fp8_prologue_gemv(x, weight, weight_scale, _block(block_size), bias, prologue=step)
+
+
+def _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias):
+    """``(nvfp4 linear of step(x), x + residual or None)``: one GEMV launch."""
+    from ..kernels.quant_gemv import nvfp4_prologue_gemv
+
+    return nvfp4_prologue_gemv(x, weight, weight_scale, weight_scale_2, bias, prologue=step)
+
+
+def _sum_fits(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the GEMV can add the residual (it writes x + residual in x's dtype and shape)."""
+    return residual.shape == x.shape and residual.dtype == x.dtype
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -195,6 +275,9 @@ def fp8_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                         weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None,
                         activations: str = "none") -> torch.Tensor:
+    if _folds_step(x, _fp8_path(x, activations, block_size), "fp8", "RMS_NORM"):
+        step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
+        return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(x, activations, block_size):
         from ..kernels.norm_quantize import rms_norm_quantize
 
@@ -214,6 +297,9 @@ def fp8_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
                             input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                             block_size: list[int] | None = None,
                             activations: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    if _folds_step(x, _fp8_path(x, activations, block_size), "fp8", "ADD_RMS_NORM") and _sum_fits(x, residual):
+        step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
+        return _fp8_with_step(x, step, weight, weight_scale, bias, block_size)
     if _quantizes_in_the_step(x, activations, block_size) and residual.dtype == x.dtype:
         from ..kernels.norm_quantize import rms_norm_quantize
 
@@ -234,6 +320,9 @@ def fp8_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: t
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     block_size: list[int] | None = None, activations: str = "none",
                     activation: str = "silu") -> torch.Tensor:
+    if _folds_step(gate_up, _fp8_path(gate_up, activations, block_size), "fp8", "GATED"):
+        step = _step("GATED", activation=activation)
+        return _fp8_with_step(gate_up, step, weight, weight_scale, bias, block_size)[0]
     if _quantizes_in_the_step(gate_up, activations, block_size):
         from ..kernels.norm_quantize import act_mul_quantize
 
@@ -267,6 +356,9 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if _folds_step(x, _nvfp4_path(x), "nvfp4", "RMS_NORM"):
+        step = _step("RMS_NORM", norm_weight=norm_weight, eps=eps)
+        return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)[0]
     return _nvfp4(rms_norm(x, norm_weight, eps), weight, weight_scale, weight_scale_2, bias)
 
 
@@ -279,6 +371,9 @@ def _(x, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=None):
 def nvfp4_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _folds_step(x, _nvfp4_path(x), "nvfp4", "ADD_RMS_NORM") and _sum_fits(x, residual):
+        step = _step("ADD_RMS_NORM", residual=residual, norm_weight=norm_weight, eps=eps)
+        return _nvfp4_with_step(x, step, weight, weight_scale, weight_scale_2, bias)
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return _nvfp4(normed, weight, weight_scale, weight_scale_2, bias), summed
 
@@ -292,6 +387,9 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, weight_scale_2, bias=
 def nvfp4_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                       activation: str = "silu") -> torch.Tensor:
+    if _folds_step(gate_up, _nvfp4_path(gate_up), "nvfp4", "GATED"):
+        return _nvfp4_with_step(gate_up, _step("GATED", activation=activation), weight, weight_scale, weight_scale_2,
+                                bias)[0]
     gate, up = gate_up.chunk(2, dim=-1)
     return _nvfp4(gated_activation(gate, up, activation), weight, weight_scale, weight_scale_2, bias)
 

@@ -8,7 +8,9 @@ and llm-compressor's FP8_DYNAMIC). The LM head (bf16 128256 x 4096, the same in 
 step's linears. Paths (``ops/quant_linear.py``'s module constants set for the call):
 
 - ``bf16``: the bf16 ops (the GEMV with the norm fused at one row; norm kernel + cuBLAS beyond);
-- ``fp8 gemv`` (rows <= 4, today's default there): norm / SiLU*mul kernel, then the CUDA-core GEMV;
+- ``fp8 gemv`` (rows <= 4, today's default there): the CUDA-core GEMV with the norm / SiLU*mul folded into
+  its operand loads (one launch); ``fp8 gemv, step apart``: the step's kernel, then the GEMV (before 2026-12-07,
+  ``AUTODEPLOY_QUANT_GEMV_PROLOGUE=0``);
 - ``fp8 weight-only`` (today's default at 5-16): the same step, then the weight-only tensor-core GEMM;
 - ``fp8 gemm``: ``norm_quantize`` (the quantizer fused into the step; o: ``fp8_quantize``), then the split-K
   Triton FP8 GEMM (today's 17-64 rows);
@@ -50,6 +52,8 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # (a CPU smoke run of the probe's logic 
 TOLERANCE = 1e-2
 # the module constants of ops/quant_linear.py that put each FP8 path on every row count it is measured at
 PATHS = {"fp8 gemv": dict(QUANT_GEMV_MAX_ROWS=4, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0),
+         "fp8 gemv, step apart": dict(QUANT_GEMV_MAX_ROWS=4, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0,
+                                      QUANT_GEMV_PROLOGUE=frozenset()),  # (no step folded)
          "fp8 weight-only": dict(QUANT_GEMV_MAX_ROWS=0, FP8_WEIGHT_ONLY_MAX_ROWS=16, FP8_SMALL_M_MAX_ROWS=0),
          "fp8 gemm": dict(QUANT_GEMV_MAX_ROWS=0, FP8_WEIGHT_ONLY_MAX_ROWS=0, FP8_SMALL_M_MAX_ROWS=0),
          "fp8 small-m": dict(FP8_SMALL_M_MAX_ROWS=64)}
@@ -178,7 +182,7 @@ def op_calls(label: str, name: str, layer: Layer, rows: int):
     if label == "bf16":
         return ([lambda w=w: bf16_op(name, layer, inputs, w) for w in layer.bf16[name]],
                 lambda: bf16_op(name, layer, inputs, layer.bf16[name][0]))
-    reference_acts = "none" if label in ("fp8 gemv", "fp8 weight-only") else "token"
+    reference_acts = "none" if label.startswith(("fp8 gemv", "fp8 weight-only")) else "token"
     return ([lambda w=w, s=s: fp8_op(name, layer, inputs, w, s) for w, s in layer.fp8[name]],
             lambda: fp8_op(name, layer, inputs, *layer.fp8[name][0], reference_acts))
 
@@ -210,7 +214,7 @@ def lm_head_us(rows: int) -> float:
 
 
 def labels(rows: int, sweep: bool) -> list[str]:
-    found = ["bf16"] + [p for p in PATHS if p != "fp8 gemv" or rows <= 4] + list(KERNEL_VARIANTS)
+    found = ["bf16"] + [p for p in PATHS if not p.startswith("fp8 gemv") or rows <= 4] + list(KERNEL_VARIANTS)
     return found + ([f"small-m kernel, split {s}" for s in (1, 2, 4, 8, 16)] if sweep else [])
 
 
@@ -269,7 +273,7 @@ def main_gpu(args) -> int:
 
 # ----------------------------------------------------------------------------- SASS (no GPU)
 
-SASS_VARIANTS = ("fp8_gemv 1 row(s)", "fp8_gemv 4 row(s)", "fp8 weight-only 1 rows", "fp8_gemm 1 rows",
+SASS_VARIANTS = ("fp8_gemv", "fp8 weight-only 1 rows", "fp8_gemm 1 rows",
                  "fp8_gemm 64 rows split 4", "fp8_small_m", "nvfp4_gemv")
 
 

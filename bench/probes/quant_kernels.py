@@ -33,6 +33,7 @@ LM head, which stays bf16 in the quantized rows) against the weight stream's flo
     # NVFP4 at one row, the word kernel against the byte kernel and bf16, over their tiles (~2 minutes):
     PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --sweep \
         --impls 'nvfp4_gemv,bf16 GEMV'
+    PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --steps   # + the steps before
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ TOLERANCE = 1e-2
 # won: an 8B layer's one-row linears 101.5 -> 94.4 us; persistent programs taking feature groups in turn
 # were slower everywhere (113-123 us)
 FP8_GEMV_SWEEP = [(4, 1024, 4, 1), (4, 1024, 4, 4), (2, 2048, 4, 8), (1, 2048, 4, 16), (1, 4096, 4, 16),
-                  (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4)]
+                  (1, 4096, 2, 16), (4, 2048, 8, 8), (2, 1024, 2, 4), (8, 1024, 8, 4)]
 GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4)]
 # the one-row NVFP4 word kernel (features, bytes a feature, warps): 64 registers at 4 features, 128 at 8 (sm_90)
 NVFP4_GEMV_SWEEP = [(4, 1024, 2), (4, 2048, 4), (4, 512, 1), (8, 1024, 2), (8, 512, 1), (2, 2048, 2), (2, 1024, 1)]
@@ -79,9 +80,10 @@ class Impl:
     reference: Callable = field(compare=False)
     max_rows: int | None = None  # the GEMVs: at most 4; the weight-only FP8 GEMMs (decode batches): 512
     min_rows: int = 1
+    shapes: tuple[str, ...] = ()  # only these shapes (a step's GEMV: quant_steps.py); empty: all
 
-    def takes(self, rows: int) -> bool:
-        return self.min_rows <= rows <= (self.max_rows or rows)
+    def takes(self, rows: int, shape: str) -> bool:
+        return self.min_rows <= rows <= (self.max_rows or rows) and shape in (self.shapes or (shape,))
 
 
 @dataclass
@@ -115,9 +117,9 @@ def cases(shapes: list[str], rows: list[int], gemm_rows: list[int], impls: list[
     ``gemm_rows`` only for the implementations without a row limit."""
     for shape in shapes:
         for m in rows:
-            yield from ((shape, m, impl) for impl in impls if impl.takes(m))
+            yield from ((shape, m, impl) for impl in impls if impl.takes(m, shape))
         for m in gemm_rows:
-            yield from ((shape, m, impl) for impl in impls if impl.max_rows is None and impl.takes(m))
+            yield from ((shape, m, impl) for impl in impls if impl.max_rows is None and impl.takes(m, shape))
 
 
 def table(results: list[Result], copy_bytes_per_s: float) -> str:
@@ -321,6 +323,9 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
                                     QuantGemvLaunch),
                "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),
                "nvfp4_gemm": (nvfp4_gemm, TC_SWEEP, _tc_launch)}
+    kernels.update({i.name: (lambda x, launch, i=i, **t: i.call(x, t, launch), FP8_GEMV_SWEEP, fp8_launch)
+                    for i in impls if i.name.startswith("fp8_gemv channel") and i.name.endswith("+step")
+                    and i.takes(1, shape)})  # --steps: the FP8 GEMV with its step folded in, as the plain one
     found = []
     for impl in (i for i in impls if i.name in kernels):
         kernel, configs, make = kernels[impl.name]
@@ -371,6 +376,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="also the batch-1 weight-only kernels over launch configs")
     parser.add_argument("--impls", default="", metavar="A,B",
                         help="only the implementations whose name contains one of these (default: all)")
+    parser.add_argument("--steps", action="store_true", help="also the GEMVs with the step before them, "
+                        "folded into the GEMV and apart (quant_steps.py)")
     parser.add_argument("--json", default=None, help="also write the header and rows here")
     args = parser.parse_args(argv)
     args.shapes = _shapes(args.shapes, parser.error)
@@ -409,9 +416,12 @@ def main(argv=None) -> int:
                   copy_bytes_per_s=bandwidth)
     print(f"{header['device']}, torch {header['torch']}, triton {header['triton']}, "
           f"copy {bandwidth / 1e12:.2f} TB/s")
-    results = measure_all(args, selected(implementations(), args.impls))
+    import quant_steps
+
+    impls = implementations() + (quant_steps.implementations(Impl) if args.steps else [])
+    results = measure_all(args, selected(impls, args.impls))
     print(table(results, bandwidth))
-    print("\n".join(decode_summary(results, bandwidth)))
+    print("\n".join(decode_summary(results, bandwidth) + quant_steps.summary(results, LAYERS)))
     if args.json:
         with open(args.json, "w") as handle:
             rows = [asdict(r) | {"gbps": r.gbps, "tflops": r.tflops} for r in results]

@@ -245,15 +245,20 @@ def _mla_variants():
 def _quant_variants():
     """The quantized linears' launches as chosen by default at the 8B shapes: the weight-only GEMVs (CUDA
     cores, 1 and 4 rows), the GEMMs at 1, 64 and 4096 rows, the activation quantizers."""
-    def gemv_variant(fmt, rows, block_scaled=False, nvfp4_words=True):
+    def gemv_variant(fmt, rows, block_scaled=False, prologue=gemv.Prologue.NONE, dtype="bf16", nvfp4_words=True):
         launch = qg.QuantGemvLaunch.choose(fmt, 4096 if fmt == qg.WeightFormat.FP8 else 2048, rows,
                                            nvfp4_words=nvfp4_words)
-        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                    "out_ptr": "*bf16", "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"}
+        pointers = {n: f"*{dtype}" for n in ("x_ptr", "res_ptr", "norm_w_ptr", "bias_ptr", "out_ptr", "sum_ptr")}
+        pointers.update({"w_ptr": "*u8", "out_scale_ptr": "*fp32",
+                         "scale_ptr": "*fp32" if fmt == qg.WeightFormat.FP8 else "*fp8e4nv"})
         const = dict(FORMAT=int(fmt), BLOCK_SCALED=block_scaled, HAS_BIAS=rows > 1, BLOCK_M=rows,
                      BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
-                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold)
-        name = f"{fmt.name.lower()}_gemv {rows} row(s){' block' if block_scaled else ''}"
+                     PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold, PROLOGUE=int(prologue), ACTIVATION=0,
+                     TWO_PASS=dtype == "fp16" and prologue in (gemv.Prologue.RMS_NORM, gemv.Prologue.ADD_RMS_NORM))
+        step = {gemv.Prologue.NONE: "", gemv.Prologue.RMS_NORM: " norm", gemv.Prologue.ADD_RMS_NORM: " add+norm",
+                gemv.Prologue.GATED: " gated silu"}[prologue]
+        name = f"{fmt.name.lower()}_gemv{STEP_NAMES[prologue]} {rows} row(s){' block' if block_scaled else ''}"
+        name += f" {dtype}" if dtype != "bf16" else ""
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
     def gemm_variant(fmt, rows, block_scaled=False, split=1):
@@ -275,12 +280,17 @@ def _quant_variants():
         name = f"{name} {rows} rows{' block' if block_scaled else ''}{f' split {split}' if split > 1 else ''}"
         return name, kernel, pointers, const, launch.num_warps, launch.num_stages
 
-    yield gemv_variant(qg.WeightFormat.FP8, 1)
-    yield _nvfp4_one_row_variant()
     yield ("nvfp4_gemv bytes 1 row (fallback)", *gemv_variant(qg.WeightFormat.NVFP4, 1, nvfp4_words=False)[1:])
-    for fmt in qg.WeightFormat:
-        yield gemv_variant(fmt, 4)
     yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True)
+    # the norm / activation folded into the operand loads (quant_linear's fused ops at the "gemv" path); NVFP4's
+    # one row: nvfp4_gemv.py's word kernel
+    for prologue in gemv.Prologue:
+        yield _nvfp4_one_row_variant(prologue)
+        for fmt in qg.WeightFormat:
+            for rows in (1, 4) if fmt == qg.WeightFormat.FP8 else (4,):
+                yield gemv_variant(fmt, rows, prologue=prologue)
+    yield gemv_variant(qg.WeightFormat.FP8, 1, block_scaled=True, prologue=gemv.Prologue.ADD_RMS_NORM)
+    yield gemv_variant(qg.WeightFormat.FP8, 1, prologue=gemv.Prologue.ADD_RMS_NORM, dtype="fp16")
     for rows in (1, 64, 4096):
         yield gemm_variant(qg.WeightFormat.NVFP4, rows)
         for fmt in (None, qg.WeightFormat.FP8):
@@ -303,15 +313,20 @@ def _quant_variants():
                dict(STEP=int(step), ACTIVATION=0, STATIC=False, BLOCK=block, PDL=True), min(16, max(4, block // 1024)), 1)
 
 
-def _nvfp4_one_row_variant():
-    """The one-row NVFP4 GEMV of ``nvfp4_gemv.py`` as ``nvfp4_gemv`` launches it at the 8B shapes (scales with a
-    K stride of 1: the JIT makes it a constant)."""
+STEP_NAMES = {gemv.Prologue.NONE: "", gemv.Prologue.RMS_NORM: " norm", gemv.Prologue.ADD_RMS_NORM: " add+norm",
+              gemv.Prologue.GATED: " gated silu"}
+
+
+def _nvfp4_one_row_variant(prologue=gemv.Prologue.NONE):
+    """The one-row NVFP4 GEMV of ``nvfp4_gemv.py`` as ``nvfp4_prologue_gemv`` launches it at the 8B shapes (bf16
+    tensors on 4-byte boundaries; scales with a K stride of 1: the JIT makes it a constant)."""
     launch = qg.QuantGemvLaunch.choose(qg.WeightFormat.NVFP4, 2048)
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
-                "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    pointers = {n: "*bf16" for n in ("x_ptr", "res_ptr", "norm_w_ptr", "bias_ptr", "out_ptr", "sum_ptr")}
+    pointers.update({"w_ptr": "*i32", "scale_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"})
     const = dict(stride_sk=1, HAS_BIAS=False, BLOCK_N=launch.block_n, BLOCK_G=launch.block_b // 16, PDL=True,
-                 TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True, X_PAIRS=True)
-    return "nvfp4_gemv 1 row(s)", nv._nvfp4_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
+                 TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True, X_PAIRS=True, RES_PAIRS=True,
+                 NORM_PAIRS=True, PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False)
+    return f"nvfp4_gemv{STEP_NAMES[prologue]} 1 row(s)", nv._nvfp4_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
 
 def _small_m_variants():

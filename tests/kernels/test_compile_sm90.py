@@ -30,6 +30,10 @@ def test_all_kernels_compile_for_hopper_without_spills():
     rows = {line[:44].strip(): line for line in run.stdout.splitlines()}
     assert "wgmma" in rows["fp8_gemm 4096 rows block"] and "wgmma" in rows["nvfp4 weight-only 4096 rows"]
     assert "ld.v4" in rows["fp8_gemv 1 row(s)"] and "ld.v4" in rows["nvfp4_gemv 1 row(s)"]
+    # the norm / activation folded into the FP8 one-row GEMV: 7 programs per SM or more (plain: 58 registers, 8)
+    for step in ("norm", "add+norm", "gated silu"):
+        line = rows[f"fp8_gemv {step} 1 row(s)"]
+        assert int(line[44:].split()[0]) <= 72, line
     # an FP8 pool's decode (no RoPE) as light as bf16's: four programs per SM (it took 255 registers, quantizing
     # the new keys 64 at a time), and e4m3 widened to fp16 (one instruction a pair), never on to bf16 (one more
     # conversion a value, at a quarter of the issue rate: 128 a thread per 64-key block)

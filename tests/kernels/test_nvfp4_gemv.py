@@ -10,9 +10,11 @@ import torch
 from ptx_emulator import run_ptx
 
 from autodeploy.kernels import quant_reference as ref
+from autodeploy.kernels.gemv import GemvPrologue, Prologue
 from autodeploy.kernels.nvfp4_gemv import words_of
 from autodeploy.kernels.pdl import Trigger
-from autodeploy.kernels.quant_gemv import QuantGemvLaunch, nvfp4_gemv
+from autodeploy.kernels.quant_gemv import QuantGemvLaunch, nvfp4_gemv, nvfp4_prologue_gemv
+from autodeploy.ops.norm import rms_norm_reference
 
 # two groups of 16 bytes a tile: several tiles a row, the last one ragged
 TWO_GROUPS = QuantGemvLaunch(block_n=4, block_b=32)
@@ -47,6 +49,20 @@ def test_one_row_matches_the_reference(n, k, launch, dtype):
         assert got.shape == (1, n) and got.dtype == dtype
         assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, scale_2, b)) < (
             1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_the_sum_is_written_whole_by_fewer_programs_than_its_tiles():
+    """add + RMSNorm in the word kernel: one program (8 features) and K of four 32-element tiles, x + residual by
+    a grid-stride loop; by torch where the weight has no features (no program)."""
+    packed, scale, scale_2 = nvfp4_weight(8, 128)
+    x, residual, norm_w = torch.randn(1, 128), torch.randn(1, 128), torch.rand(128) + 0.5
+    prologue = GemvPrologue(Prologue.ADD_RMS_NORM, residual, norm_w, 1e-6)
+    out, summed = nvfp4_prologue_gemv(x, packed, scale, scale_2, prologue=prologue, launch=QuantGemvLaunch(8, 16, 1))
+    torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+    want = ref.nvfp4_linear_reference(rms_norm_reference(x + residual, norm_w, 1e-6), packed, scale, scale_2)
+    assert rel_err(out, want) < 1e-5
+    out, summed = nvfp4_prologue_gemv(x, packed[:0], scale[:0], scale_2, prologue=prologue)
+    assert out.shape == (1, 0) and torch.equal(summed, x + residual)  # no features, no program: the sum still
 
 
 @pytest.mark.parametrize("m", [1, 3])  # the word kernel; the byte kernel
@@ -106,7 +122,7 @@ def test_the_switch_keeps_the_byte_kernel(monkeypatch):
     packed, scale, scale_2 = nvfp4_weight(6, 32)
     x = torch.randn(1, 32)
     launched = []
-    monkeypatch.setattr(words_module, "launch_one_row", lambda *a, **k: launched.append(1) or torch.zeros(1, 6))
+    monkeypatch.setattr(words_module, "launch_one_row", lambda *a, **k: launched.append(1) or (torch.zeros(1, 6), None))
     nvfp4_gemv(x, packed, scale, scale_2)
     assert launched == [1]
     monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", False)

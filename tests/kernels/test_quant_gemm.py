@@ -137,12 +137,11 @@ def test_nvfp4_gemm_matches_the_reference(dtype, m):
 
 
 def test_nvfp4_gemm_with_a_global_scale_per_row():
-    n, k = 40, 80
-    packed, scale, scale_2 = nvfp4_weight(n, k)
-    per_row = scale_2 * torch.linspace(0.5, 2, n)  # fused parts with their own global scales
-    x = torch.randn(20, k)
-    got = nvfp4_gemm(x, packed, scale, per_row, launch=SMALL)
-    assert rel_err(got, ref.nvfp4_linear_reference(x, packed, scale, per_row)) < 1e-5
+    packed, scale, scale_2 = nvfp4_weight(40, 112)
+    per_row = scale_2 * torch.linspace(0.5, 2, 40)  # fused parts' own global scales
+    x = torch.randn(5, 112)
+    check_with_and_without_bias(lambda b: nvfp4_gemm(x, packed, scale, per_row, b, launch=SMALL),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, per_row, b), x, 40)
 
 
 def test_nvfp4_gemm_dequantizes_every_byte_exactly():

@@ -10,8 +10,12 @@ import torch
 from ptx_emulator import run_ptx
 
 from autodeploy.kernels import quant_reference as ref
+from autodeploy.kernels.gemv import GemvPrologue, Prologue
 from autodeploy.kernels.pdl import Trigger
-from autodeploy.kernels.quant_gemv import QuantGemvLaunch, WeightFormat, fp8_gemv, nvfp4_gemv
+from autodeploy.kernels.quant_gemv import (QuantGemvLaunch, WeightFormat, fp8_gemv, fp8_prologue_gemv, nvfp4_gemv,
+                                           nvfp4_prologue_gemv)
+from autodeploy.ops.mlp import ACTIVATIONS
+from autodeploy.ops.norm import rms_norm_reference
 
 DTYPES = [torch.float32, torch.float16]
 # several programs and byte tiles, a ragged last tile; the first tile before the (GPU-only) PDL wait or not
@@ -116,6 +120,17 @@ def test_nvfp4_gemv_matches_the_reference(dtype, m, launch):
                                 lambda b: ref.nvfp4_linear_reference(x, packed, scale, scale_2, b), x, n)
 
 
+def test_nvfp4_gemv_with_a_global_scale_per_row():
+    """Fused parts (q/k/v, gate/up) keep their own global scales: one per row, applied with the sums."""
+    packed, scale, scale_2 = nvfp4_weight(40, 112)
+    per_row = scale_2 * torch.linspace(0.5, 2, 40)
+    x = torch.randn(2, 112)
+    check_with_and_without_bias(lambda b: nvfp4_gemv(x, packed, scale, per_row, b, launch=SMALL),
+                                lambda b: ref.nvfp4_linear_reference(x, packed, scale, per_row, b), x, 40)
+    want = ref.dequantize_nvfp4(packed, scale, scale_2) * torch.linspace(0.5, 2, 40)[:, None]
+    torch.testing.assert_close(ref.dequantize_nvfp4(packed, scale, per_row), want)
+
+
 def test_nvfp4_packing_is_low_nibble_first():
     """Byte 0x21 holds element 0 = code 1 (0.5) and element 1 = code 2 (1.0); byte 0xF8: -0 and -6."""
     packed = torch.zeros(1, 8, dtype=torch.uint8)
@@ -137,6 +152,89 @@ def test_every_nvfp4_byte_and_scale_dequantizes_exactly():
     got = nvfp4_gemv(torch.eye(16)[:2], packed, scale, scale_2, launch=SMALL)
     want = ref.dequantize_nvfp4(packed, scale, scale_2)[:, :2].t()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# The norm / activation folded into the operand loads, against the composition the ops define: the step's
+# torch reference (rounded to x's dtype), then the weight-only reference. Per weight kind: (rows, launch, K).
+PROLOGUE_WEIGHTS = {
+    "fp8-tensor": (1, FOLDED, 136), "fp8-channel": (3, SMALL, 80), "fp8-block": (1, FOLDED, 80),
+    "nvfp4": (3, SMALL, 112), "nvfp4-word": (1, QuantGemvLaunch(8, 32, 1), 112),  # nvfp4_gemv.py's load_operand
+}
+
+
+def prologue_weights(kind, n, k):
+    """(the prologue GEMV on x, its bias and prologue; the weight-only reference on the operand, bias)."""
+    if kind.startswith("nvfp4"):
+        packed, scale, scale_2 = nvfp4_weight(n, k)
+        scale_2 = scale_2 * torch.linspace(0.5, 2, n) if kind == "nvfp4-word" else scale_2  # fused parts' scales
+        return (lambda x, b, p, launch: nvfp4_prologue_gemv(x, packed, scale, scale_2, b, prologue=p, launch=launch),
+                lambda a, b: ref.nvfp4_linear_reference(a, packed, scale, scale_2, b))
+    weight = fp8_weight(n, k)
+    scale, block = fp8_scale(kind.removeprefix("fp8-"), n, k, block=(2, 32))
+    return (lambda x, b, p, launch: fp8_prologue_gemv(x, weight, scale, block, b, prologue=p, launch=launch),
+            lambda a, b: ref.fp8_weight_only_reference(a, weight, scale, block, b))
+
+
+@pytest.mark.parametrize("kind", sorted(PROLOGUE_WEIGHTS))
+@pytest.mark.parametrize("dtype", DTYPES)  # fp16: the norm's 1/rms in a first pass (gemv.two_pass)
+@pytest.mark.parametrize("step", [Prologue.RMS_NORM, Prologue.ADD_RMS_NORM, Prologue.GATED], ids=lambda p: p.name)
+def test_prologue_gemv_is_the_step_then_the_weight_only_linear(kind, dtype, step):
+    m, launch, k = PROLOGUE_WEIGHTS[kind]
+    n = 36  # features: a ragged last program of 8 (SMALL), and 18 programs of 2 (FOLDED)
+    run, reference = prologue_weights(kind, n, k)
+    x = (torch.randn(1, m, 2 * k if step == Prologue.GATED else k) * 3).to(dtype)  # rows far from unit RMS
+    residual, norm_w = torch.randn(1, m, k).to(dtype), (1 + 0.1 * torch.randn(k)).to(dtype)
+    if step == Prologue.GATED:
+        gate, up = x.float().chunk(2, dim=-1)
+        operand, want_sum = (ACTIVATIONS["gelu_tanh"](gate) * up).to(dtype), None  # act_mul rounds once
+        prologue = GemvPrologue(step, activation="gelu_tanh")
+    else:
+        want_sum = x + residual if step == Prologue.ADD_RMS_NORM else None
+        operand = rms_norm_reference(x if want_sum is None else want_sum, norm_w, 1e-5)
+        prologue = GemvPrologue(step, residual if want_sum is not None else None, norm_w, 1e-5)
+    bias = torch.randn(n).to(dtype)  # (without one: the plain GEMV's tests; the epilogue is the same)
+    out, summed = run(x, bias, prologue, launch)
+    assert out.shape == (1, m, n) and out.dtype == dtype
+    assert rel_err(out, reference(operand, bias)) < bound(dtype)
+    if want_sum is None:
+        assert summed is None
+    else:  # x + residual rounded once, written whole
+        torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
+def test_the_sum_is_written_whole_by_fewer_programs_than_its_tiles():
+    """One program (8 features) and K of four 32-element tiles: x + residual by a grid-stride loop; by torch
+    where the weight has no features (no program)."""
+    weight, scale = fp8_weight(8, 128), torch.tensor(0.02)
+    x, residual, norm_w = torch.randn(2, 128), torch.randn(2, 128), torch.rand(128) + 0.5
+    out, summed = fp8_prologue_gemv(x, weight, scale, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, residual, norm_w,
+                                                                             1e-6), launch=SMALL)
+    torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+    want = ref.fp8_weight_only_reference(rms_norm_reference(x + residual, norm_w, 1e-6), weight, scale)
+    assert rel_err(out, want) < 1e-5
+    out, summed = fp8_prologue_gemv(x, weight[:0], scale, prologue=GemvPrologue(Prologue.ADD_RMS_NORM, residual,
+                                                                                 norm_w, 1e-6))
+    assert out.shape == (2, 0) and torch.equal(summed, x + residual)  # no features, no program: the sum still
+
+
+BAD_PROLOGUES = [
+    (GemvPrologue(Prologue.RMS_NORM), "RMS_NORM needs a norm weight of 32 elements, got None"),
+    (GemvPrologue(Prologue.RMS_NORM, norm_weight=torch.ones(16)), r"of 32 elements, got \(16,\)"),
+    (GemvPrologue(Prologue.ADD_RMS_NORM, norm_weight=torch.ones(32)), "needs a residual shaped and typed as x"),
+    (GemvPrologue(Prologue.ADD_RMS_NORM, torch.ones(1, 32, dtype=torch.float16), torch.ones(32)), "typed as x"),
+    (GemvPrologue(Prologue.GATED), "expects 64 input features"),  # gate and up: 2K columns
+]
+
+
+@pytest.mark.parametrize("prologue,message", BAD_PROLOGUES)
+def test_prologue_gemv_refuses_inputs_that_do_not_fit(prologue, message):
+    packed, scale, scale_2 = nvfp4_weight(8, 32)
+    for run in (lambda: fp8_prologue_gemv(torch.randn(1, 32), fp8_weight(8, 32), torch.tensor(1.0), prologue=prologue),
+                lambda: nvfp4_prologue_gemv(torch.randn(1, 32), packed, scale, scale_2, prologue=prologue)):
+        with pytest.raises(ValueError, match=message):
+            run()
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        GemvPrologue(Prologue.GATED, activation="relu")
 
 
 def test_leading_dimensions_strided_rows_and_no_rows():
@@ -195,7 +293,7 @@ BAD_NVFP4 = [
     (dict(packed=torch.zeros(8, 12, dtype=torch.uint8)), "K = 24 is not a multiple"),
     (dict(scale=torch.ones(8, 2)), "float8_e4m3fn of shape"),
     (dict(scale=torch.ones(8, 1).to(torch.float8_e4m3fn)), r"of shape \(8, 2\)"),
-    (dict(scale_2=torch.ones(2)), "one float32 value"),
+    (dict(scale_2=torch.ones(2)), r"one float32 value or one per row \(8,\)"),
     (dict(x=torch.randn(1, 16)), "expects 32 input features"),
     (dict(launch=QuantGemvLaunch(4, 8)), "block_b must be at least 16 bytes"),
     (dict(launch=QuantGemvLaunch(4, 32, fold=4)), "fold is FP8's"),
@@ -214,7 +312,7 @@ def test_nvfp4_gemv_refuses_bad_inputs(bad, message):
 def test_the_gpu_e2m1_decode_emulated_matches_the_e2m1_table():
     """E2M1_ASM (the PTX the GPU runs instead of e2m1_to_fp16) on every byte in every position of its
     32-bit word: low nibbles of bytes 0-3 in $0-$1, high nibbles in $2-$3, fp16 times 2**-14."""
-    from autodeploy.kernels.quant_gemv import E2M1_ASM
+    from autodeploy.kernels.e2m1 import E2M1_ASM
 
     def fp16(bits):
         return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).double()

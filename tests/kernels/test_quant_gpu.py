@@ -82,6 +82,43 @@ def test_nvfp4_one_row_every_byte_and_scale_exactly():
         torch.testing.assert_close(got[0], want[:, element], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("step", ["RMS_NORM", "ADD_RMS_NORM", "GATED"])
+@pytest.mark.parametrize("kind", ["channel", "block", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_with_its_step_folded_in(step, kind, m):
+    """The quantized GEMVs with a prologue, in bf16, against the step's reference then the weight-only linear;
+    NVFP4 with a global scale per row (fused parts')."""
+    from autodeploy.kernels.gemv import GemvPrologue, Prologue
+    from autodeploy.kernels.quant_gemv import fp8_prologue_gemv, nvfp4_prologue_gemv
+    from autodeploy.ops.norm import rms_norm_reference
+
+    n, k = 4096 + 48, 4096
+    cols = 2 * k if step == "GATED" else k
+    x, residual, norm_w = cuda(torch.randn(m, cols, dtype=torch.bfloat16) * 3, torch.randn(m, k, dtype=torch.bfloat16),
+                               torch.rand(k, dtype=torch.bfloat16) + 0.5)
+    if step == "GATED":
+        gate, up = x.float().chunk(2, dim=-1)
+        operand, prologue = (torch.nn.functional.silu(gate) * up).bfloat16(), GemvPrologue(Prologue.GATED)
+    else:
+        summed = x + residual if step == "ADD_RMS_NORM" else x
+        operand = rms_norm_reference(summed, norm_w, 1e-5)
+        prologue = GemvPrologue(Prologue[step], residual if step == "ADD_RMS_NORM" else None, norm_w, 1e-5)
+    if kind == "nvfp4":
+        packed, scale, scale_2 = cuda(*nvfp4_weight(n, k))
+        scale_2 = scale_2 * torch.linspace(0.5, 2, n, device="cuda")
+        got, got_sum = nvfp4_prologue_gemv(x, packed, scale, scale_2, prologue=prologue)
+        want = ref.nvfp4_linear_reference(operand, packed, scale, scale_2)
+    else:
+        scale, block = fp8_scale(kind, n, k, block=(128, 128))
+        weight, scale = cuda(fp8_weight(n, k), scale)
+        got, got_sum = fp8_prologue_gemv(x, weight, scale, block, prologue=prologue)
+        want = ref.fp8_weight_only_reference(operand, weight, scale, block)
+    assert rel_err(got, want) < BF16
+    assert (got_sum is None) == (step != "ADD_RMS_NORM")
+    if got_sum is not None:
+        assert torch.equal(got_sum, x + residual)
+
+
 @pytest.mark.parametrize("kwargs", [{"scale": 0.05}, {}, {"group_size": 128}],
                          ids=["static", "token", "group"])
 def test_fp8_quantize_is_bit_exact(kwargs):

@@ -213,3 +213,83 @@ def test_small_m_switch_runs_every_fp8_op_on_the_swap_ab_kernel(small_m_calls, a
                                ql.fp8_linear_reference(hidden, q2, ws2, lin[2], None, None, activations),
                                rtol=1e-4, atol=1e-4)
     assert small_m_calls == [(6, 64), (6, 64), (3, 64)]
+
+
+
+@pytest.fixture
+def gemv_steps(monkeypatch):
+    """'CUDA' inputs on the real quantized GEMVs (the Triton interpreter; NVFP4's one row: the word kernel), the
+    prologue of each launch recorded."""
+    from autodeploy.kernels import nvfp4_gemv, quant_gemv
+
+    steps, launch, one_row = [], quant_gemv._launch, nvfp4_gemv.launch_one_row
+    monkeypatch.setattr(ql, "use_triton", lambda t: True)
+    monkeypatch.setattr(quant_gemv, "_launch", lambda *a: steps.append(a[8].kind.name) or launch(*a))
+    monkeypatch.setattr(nvfp4_gemv, "launch_one_row", lambda *a: steps.append(a[5].kind.name) or one_row(*a))
+    return steps
+
+
+def _linears(activations, bias, n=48, k=64):
+    """(fused op prefix, linear args after x, the weight-only reference of an operand) per weight kind: FP8
+    per tensor, per channel, per block; NVFP4 with per-row global scales (fused parts')."""
+    for kind in ("tensor", "channel", "block"):
+        q, ws, block = _fp8_weight(kind, n, k)
+        yield ("fp8", (q, ws, None, bias, block, activations),
+               lambda a, q=q, ws=ws, block=block: ql.fp8_linear_reference(a, q, ws, None, bias, block, "none"))
+    packed, scale, scale_2 = nm.quantize_nvfp4(torch.randn(n, k))
+    per_row = scale_2 * torch.linspace(0.5, 2, n)
+    yield ("nvfp4", (packed, scale, per_row, bias),
+           lambda a: ql.nvfp4_linear_reference(a, packed, scale, per_row, bias))
+
+
+def _check_fused_ops(rows, activations):
+    """Each fused op of each weight kind against the weight-only linear of its step's torch reference."""
+    x, r, nw = torch.randn(1, rows, 64) * 4, torch.randn(1, rows, 64), torch.rand(64) + 0.5
+    gate_up = torch.randn(rows, 128)
+    for fmt, lin, reference in _linears(activations, torch.randn(48)):
+        op = lambda name: getattr(ops, f"{fmt}_{name}")  # noqa: E731
+        close = dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(op("rms_norm_linear")(x, nw, 1e-6, *lin), reference(ops.rms_norm(x, nw, 1e-6)),
+                                   **close)
+        out, summed = op("add_rms_norm_linear")(x, r, nw, 1e-6, *lin)
+        torch.testing.assert_close(summed, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(out, reference(ops.rms_norm(x + r, nw, 1e-6)), **close)
+        hidden = F.silu(gate_up[:, :64]) * gate_up[:, 64:]
+        torch.testing.assert_close(op("swiglu_down")(gate_up, *lin, activation="silu"), reference(hidden), **close)
+
+
+@pytest.mark.parametrize("folded", ["1", "0", "rms_norm,add_rms_norm", "fp8:all"])
+def test_fused_ops_fold_their_step_into_the_gemv(gemv_steps, monkeypatch, folded):
+    """At the "gemv" path (activations per token: the GEMV leaves them unquantized) each fused op is one launch
+    with its step as the prologue; AUTODEPLOY_QUANT_GEMV_PROLOGUE puts the steps it leaves out before a plain
+    GEMV again."""
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE", ql._folded_from_env(folded))
+    _check_fused_ops(1, "token")
+    all_steps, none = ["RMS_NORM", "ADD_RMS_NORM", "GATED"], ["NONE"] * 3
+    fp8, nvfp4 = {"1": (all_steps, all_steps), "0": (none, none), "fp8:all": (all_steps, none),
+                  "rms_norm,add_rms_norm": (["RMS_NORM", "ADD_RMS_NORM", "NONE"],) * 2}[folded]
+    assert gemv_steps == fp8 * 3 + nvfp4  # FP8 per tensor, channel, block; NVFP4
+
+
+def test_fused_ops_past_the_folding_rows_keep_the_step_apart(gemv_steps, monkeypatch):
+    monkeypatch.setattr(ql, "QUANT_GEMV_PROLOGUE_MAX_ROWS", 1)  # AUTODEPLOY_QUANT_GEMV_PROLOGUE_MAX_ROWS=1
+    _check_fused_ops(2, "none")
+    assert gemv_steps == ["NONE"] * 12  # 2 rows: the GEMV still, the step before it
+
+
+def test_the_folded_steps_from_the_environment():
+    every = {(f, s) for f in ql.FORMATS for s in ql.STEPS}
+    assert ql._folded_from_env("1") == ql._folded_from_env("all") == every
+    assert ql._folded_from_env(None) == ql._folded_from_env("fp8:all")  # unset: NVFP4's steps apart (DEFAULT_FOLDED)
+    assert ql._folded_from_env("0") == ql._folded_from_env("") == set()
+    assert ql._folded_from_env(" gated , NVFP4:rms_norm") == {("fp8", "GATED"), ("nvfp4", "GATED"),
+                                                               ("nvfp4", "RMS_NORM")}
+    for bad in ("norm", "fp4:all", "fp8:"):
+        with pytest.raises(ValueError, match="is none of 1, 0, STEP, FORMAT:STEP, FORMAT:all"):
+            ql._folded_from_env(bad)
+
+
+def test_fused_ops_past_the_gemv_rows_keep_the_step_before_the_gemm(kernels):
+    """24 rows, weight-only: the tensor-core GEMMs (recording stand-ins) after the norm / activation op."""
+    _check_fused_ops(24, "none")
+    assert [name for name, *_ in kernels] == ["fp8_weight_only_gemm"] * 9 + ["nvfp4_gemm"] * 3
