@@ -21,9 +21,10 @@ this kernel is near the H100's and ~60% of the H200's. On the CUDA cores the dec
 ~3.9 per element; below that is the tensor cores' work (``mma`` m16n8k16 on the decoded fp16/bf16 pairs with the
 activations as the one useful column: no widening, no FMA, ~2.6 per element by count), left for later.
 
-Prologues (``quant_gemv.nvfp4_prologue_gemv``): as ``gemv._operand`` (each step rounded to x's dtype; RMSNorm's
-1/rms a factor of each sum, from x^2 summed per thread; x + residual written before the loop). Per element they
-add to the 4.95 (sm_90): RMSNorm 1.33 (96 registers), add + RMSNorm 2.55 (96), SiLU·mul 4.0 (64): on a loop
+Prologues (``quant_gemv.nvfp4_prologue_gemv``): ``gemv._operand``'s, the operand kept in fp32 (no rounding to x's
+dtype: fewer instructions, and no fp16 overflow, so no first pass for fp16 either); RMSNorm's 1/rms a factor of
+each sum, from x^2 summed per thread; x + residual rounded to x's dtype and written before the loop. Per element
+they add to the 4.95 (sm_90): RMSNorm 0.86 (96 registers), add + RMSNorm 1.94 (96), SiLU·mul 3.5 (64): on a loop
 issue-bound already, which is why ``ops/quant_linear.py`` runs NVFP4's steps apart by default.
 """
 
@@ -36,7 +37,7 @@ import triton.language as tl
 from . import pdl
 from .activation import ACTIVATION_IDS, activate
 from .e2m1 import e2m1_ptx, e2m1_to_fp16
-from .gemv import GemvPrologue, Prologue, _inverse_rms, _operand, two_pass
+from .gemv import GemvPrologue, Prologue, _operand
 from .pdl import Trigger
 
 AFTER_LOOP = tl.constexpr(Trigger.AFTER_LOOP.value)
@@ -81,25 +82,22 @@ def load_activations(x_ptr, k0, groups, K, BLOCK_G: tl.constexpr, X_PAIRS: tl.co
 
 
 @triton.jit
-def load_operand(x_ptr, res_ptr, norm_w_ptr, k0, groups, K, rstd, sumsq, BLOCK_G: tl.constexpr,
-                 X_PAIRS: tl.constexpr, RES_PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr, PROLOGUE: tl.constexpr,
-                 ACTIVATION: tl.constexpr, TWO_PASS: tl.constexpr):
-    """``load_activations`` with the prologue applied as ``gemv._operand`` applies it (each step rounded to x's
-    dtype), and the running x^2 per group (``sumsq`` [BLOCK_G]: the one-pass norms' 1/rms, applied to the sums
-    at the end); ``*_PAIRS``: that tensor read as bf16 pairs."""
+def load_operand(x_ptr, res_ptr, norm_w_ptr, k0, groups, K, sumsq, BLOCK_G: tl.constexpr, X_PAIRS: tl.constexpr,
+                 RES_PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr, PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """``load_activations`` with the prologue applied as ``gemv._operand`` applies it, the operand kept in fp32
+    (x + residual rounded to x's dtype, as the sum the op returns), and the running x^2 per group (``sumsq``
+    [BLOCK_G]: the norms' 1/rms, applied to the sums at the end); ``*_PAIRS``: that tensor read as bf16 pairs."""
     x = load_activations(x_ptr, k0, groups, K, BLOCK_G, X_PAIRS)
     if PROLOGUE == NONE:
         return x, sumsq
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     if PROLOGUE == GATED:  # x [2K]: gate then up
         up = load_activations(x_ptr + K, k0, groups, K, BLOCK_G, X_PAIRS)
-        return (activate(x, ACTIVATION) * up).to(dtype).to(tl.float32), sumsq
+        return activate(x, ACTIVATION) * up, sumsq
     if PROLOGUE == ADD_RMS_NORM:
         x = (x + load_activations(res_ptr, k0, groups, K, BLOCK_G, RES_PAIRS)).to(dtype).to(tl.float32)
     norm_w = load_activations(norm_w_ptr, k0, groups, K, BLOCK_G, NORM_PAIRS)
-    if TWO_PASS:
-        return (x * rstd * norm_w).to(dtype).to(tl.float32), sumsq
-    return (x * norm_w).to(dtype).to(tl.float32), sumsq + tl.sum(tl.sum(x * x, 2), 1)
+    return x * norm_w, sumsq + tl.sum(tl.sum(x * x, 2), 1)
 
 
 @triton.jit
@@ -169,7 +167,7 @@ def _nvfp4_gemv_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, E2M1_PTX: tl.constexpr,
     X_PAIRS: tl.constexpr = False, RES_PAIRS: tl.constexpr = False, NORM_PAIRS: tl.constexpr = False,
-    PROLOGUE: tl.constexpr = 0, ACTIVATION: tl.constexpr = 0, TWO_PASS: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = 0, ACTIVATION: tl.constexpr = 0,
 ):
     """``w_ptr``: the packed weight as 32-bit words, ``stride_wn`` words a row; ``X_PAIRS``: x is bf16 on a
     4-byte boundary, read as pairs (``load_activations``); the prologue's arguments as ``quant_gemv``'s."""
@@ -182,21 +180,22 @@ def _nvfp4_gemv_kernel(
     TILE_WORDS: tl.constexpr = BLOCK_G * GROUP_WORDS
     w_next = pdl.load_around_wait(w_rows + tile, col_ok[None, :, None] & (tile < row_words),
                                   tl.zeros([BLOCK_G, BLOCK_N, GROUP_WORDS], dtype=tl.int32), PDL, TRIGGER, PRELOAD)
-    rstd = _prologue_pass(x_ptr, res_ptr, sum_ptr, K, eps, 8 * TILE_WORDS, PROLOGUE, TWO_PASS)
+    if PROLOGUE == ADD_RMS_NORM:
+        _write_sum(x_ptr, res_ptr, sum_ptr, K, 8 * TILE_WORDS)
     sumsq = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     for w0 in range(0, row_words, TILE_WORDS):
         w = w_next
         ws = w0 + TILE_WORDS + tile
         w_next = tl.load(w_rows + ws, mask=col_ok[None, :, None] & (ws < row_words), other=0)
-        x, sumsq = load_operand(x_ptr, res_ptr, norm_w_ptr, 8 * w0, groups, K, rstd, sumsq, BLOCK_G, X_PAIRS,
-                                RES_PAIRS, NORM_PAIRS, PROLOGUE, ACTIVATION, TWO_PASS)
+        x, sumsq = load_operand(x_ptr, res_ptr, norm_w_ptr, 8 * w0, groups, K, sumsq, BLOCK_G, X_PAIRS, RES_PAIRS,
+                                NORM_PAIRS, PROLOGUE, ACTIVATION)
         acc = _group_products(acc, w, x, scale_ptr, cols, col_ok, groups, w0, row_words // 2, stride_sn,
                               stride_sk, BLOCK_N, BLOCK_G, E2M1_PTX)
     if TRIGGER == AFTER_LOOP:
         pdl.allow_dependents(PDL)
     out = tl.sum(acc, 0) * tl.load(out_scale_ptr + cols * stride_os, mask=col_ok, other=0.0) * out_factor
-    if (PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM) and not TWO_PASS:  # the norm's 1/rms, a factor of the dot
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:  # the norm's 1/rms, a factor of the dot
         out *= tl.rsqrt(tl.sum(sumsq, 0) / K + eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -204,20 +203,13 @@ def _nvfp4_gemv_kernel(
 
 
 @triton.jit
-def _prologue_pass(x_ptr, res_ptr, sum_ptr, K, eps, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
-                   TWO_PASS: tl.constexpr):
-    """Before the loop: ``x + residual`` written (a tile a program, ``gemv._operand``'s rounding) for
-    ``ADD_RMS_NORM``, and the 1/rms of a first pass where ``TWO_PASS`` (fp16); 0.0 where none."""
+def _write_sum(x_ptr, res_ptr, sum_ptr, K, BLOCK_K: tl.constexpr):
+    """x + residual written before the loop, a tile a program (``gemv._operand``'s rounding)."""
     row = tl.arange(0, 1)
-    if PROLOGUE == ADD_RMS_NORM:
-        for k0 in range(tl.program_id(0) * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            _operand(x_ptr, res_ptr, x_ptr, sum_ptr, row, ks, (ks < K)[None, :], K, row.to(tl.float32),
-                     tl.zeros([1, BLOCK_K], dtype=tl.float32), True, 0, 0, 0, PROLOGUE, 0, True)
-    rstd = 0.0
-    if TWO_PASS:
-        rstd = tl.sum(_inverse_rms(x_ptr, res_ptr, row, row < 1, K, eps, 0, 0, PROLOGUE, 1, BLOCK_K), 0)
-    return rstd
+    for k0 in range(tl.program_id(0) * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        _operand(x_ptr, res_ptr, x_ptr, sum_ptr, row, ks, (ks < K)[None, :], K, row.to(tl.float32),
+                 tl.zeros([1, BLOCK_K], dtype=tl.float32), True, 0, 0, 0, ADD_RMS_NORM, 0, True)
 
 
 def words_of(weight_packed: torch.Tensor) -> torch.Tensor | None:
@@ -244,7 +236,7 @@ def launch_one_row(x_row: torch.Tensor, words: torch.Tensor, scales, bias, launc
             BLOCK_G=launch.block_b // 16, TRIGGER=int(launch.trigger), PRELOAD=launch.preload,
             E2M1_PTX=e2m1_ptx(x_row.device), X_PAIRS=_pairs(x_row), RES_PAIRS=_pairs(res), NORM_PAIRS=_pairs(norm_w),
             PROLOGUE=int(prologue.kind), ACTIVATION=ACTIVATION_IDS[prologue.activation],
-            TWO_PASS=two_pass(x_row.dtype, prologue.kind), num_warps=launch.num_warps, num_stages=1,
+            num_warps=launch.num_warps, num_stages=1,
             **pdl.launch_options(x_row.device),
         )
     if prologue.kind != Prologue.ADD_RMS_NORM:

@@ -64,9 +64,9 @@ FORMATS = ("fp8", "nvfp4")
 
 # unset: FP8's steps folded, NVFP4's apart. The folds add sm_90 SASS instructions to the one-row loops (per weight
 # byte, FP8 7.0 plain -> 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated); NVFP4's word kernel is issue-bound
-# already (4.95 per element against an H100's ~4.9 budget at the copy bandwidth) and its fold costs 6.3 / 7.5 / 9.0
-# per element (and 96 registers for the norms, 64 plain): +27% / +52% / +81% on the whole weight stream, e.g.
-# ~5 / ~10 us on an 8B gate_up at an H100's bandwidth, against one step kernel of a few us
+# already (4.95 per element against an H100's ~4.9 budget at the copy bandwidth) and its fold costs 5.8 / 6.9 / 8.5
+# per element (and 96 registers for the norms, 64 plain): +17% / +39% / +71% on the whole weight stream, e.g.
+# ~3 / ~7 us on an 8B gate_up at an H100's bandwidth (add + RMSNorm before it), against one step kernel of a few us
 DEFAULT_FOLDED = "fp8:all"
 
 

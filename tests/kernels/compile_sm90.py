@@ -325,7 +325,7 @@ def _nvfp4_one_row_variant(prologue=gemv.Prologue.NONE):
     pointers.update({"w_ptr": "*i32", "scale_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"})
     const = dict(stride_sk=1, HAS_BIAS=False, BLOCK_N=launch.block_n, BLOCK_G=launch.block_b // 16, PDL=True,
                  TRIGGER=int(launch.trigger), PRELOAD=launch.preload, E2M1_PTX=True, X_PAIRS=True, RES_PAIRS=True,
-                 NORM_PAIRS=True, PROLOGUE=int(prologue), ACTIVATION=0, TWO_PASS=False)
+                 NORM_PAIRS=True, PROLOGUE=int(prologue), ACTIVATION=0)
     return f"nvfp4_gemv{STEP_NAMES[prologue]} 1 row(s)", nv._nvfp4_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
 
 

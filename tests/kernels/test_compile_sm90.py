@@ -34,6 +34,8 @@ def test_all_kernels_compile_for_hopper_without_spills():
     for step in ("norm", "add+norm", "gated silu"):
         line = rows[f"fp8_gemv {step} 1 row(s)"]
         assert int(line[44:].split()[0]) <= 72, line
+        line = rows[f"nvfp4_gemv {step} 1 row(s)"]  # the word kernel's: 96 at most (64 plain)
+        assert int(line[44:].split()[0]) <= 96, line
     # an FP8 pool's decode (no RoPE) as light as bf16's: four programs per SM (it took 255 registers, quantizing
     # the new keys 64 at a time), and e4m3 widened to fp16 (one instruction a pair), never on to bf16 (one more
     # conversion a value, at a quarter of the issue rate: 128 a thread per 64-key block)
