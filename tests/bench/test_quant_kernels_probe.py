@@ -34,3 +34,15 @@ def test_the_byte_kernel_call_switches_the_word_kernel_off_for_the_call_only(mon
     x = torch.randn(1, 32)
     torch.testing.assert_close(qk.nvfp4_byte_kernel(x, t), ref.nvfp4_linear_reference(x, *t.values()))
     assert quant_gemv.NVFP4_WORD_GEMV
+
+
+def test_impls_select_the_steps_too():
+    """--steps with --impls: the folded / apart pairs of the chosen GEMV only (the NVFP4 fold's A/B)."""
+    import quant_steps
+
+    impls = qk.implementations() + quant_steps.implementations(qk.Impl)
+    names = {i.name for i in qk.selected(impls, "nvfp4_gemv")}
+    assert {f"nvfp4_gemv {step} {mode}" for step in quant_steps.STEPS for mode in quant_steps.MODES} < names
+    assert not any(name.startswith("fp8") for name in names)
+    args = qk.parse(["--rows", "1", "--gemm-rows", "", "--steps", "--impls", "nvfp4_gemv"])
+    assert args.steps and args.impls == "nvfp4_gemv"
