@@ -1,6 +1,7 @@
 """The one-row NVFP4 GEMV (batch-1 decode): ``out[1, N] = x[1, K] @ dequantize(W).T (+ bias)``, what
-``quant_gemv.nvfp4_gemv`` runs at one row, its semantics and checks (``quant_reference.py``'s NVFP4 format and
-reference: products in fp32, per block of 16 summed and times the block's e4m3 scale, the global scale last).
+``quant_gemv.nvfp4_gemv`` runs at one row with ``AUTODEPLOY_NVFP4_WORD_GEMV=1`` (off until it has run on a GPU),
+its semantics and checks (``quant_reference.py``'s NVFP4 format and reference: products in fp32, per block of 16
+summed and times the block's e4m3 scale, the global scale last).
 
 Every value is where its thread needs it, so no layout conversion, shared memory or barrier is left in the
 loop: a thread owns 16 bytes (4 words of 8 codes: 32 elements, two scale blocks) of each of the program's

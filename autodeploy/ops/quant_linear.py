@@ -62,12 +62,13 @@ STEPS = ("RMS_NORM", "ADD_RMS_NORM", "GATED")  # the fused ops' steps (kernels/g
 FORMATS = ("fp8", "nvfp4")
 
 
-# unset: FP8's steps folded, NVFP4's apart. The folds add sm_90 SASS instructions to the one-row loops (per weight
-# byte, FP8 7.0 plain -> 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated); NVFP4's word kernel is issue-bound
-# already (4.95 per element against an H100's ~4.9 budget at the copy bandwidth) and its fold costs 5.8 / 6.9 / 8.5
-# per element (and 96 registers for the norms, 64 plain): +17% / +39% / +71% on the whole weight stream, e.g.
-# ~3 / ~7 us on an 8B gate_up at an H100's bandwidth (add + RMSNorm before it), against one step kernel of a few us
-DEFAULT_FOLDED = "fp8:all"
+# unset: every step apart, until the A/B on a GPU (bench/probes/quant_kernels.py --steps): an earlier fold measured
+# slower on an H100 (FP8 bs1 4.03 -> 4.69 ms, NVFP4 4.94 -> 5.04; docs/perf.md), this one (2026-12-07, CPU host) has
+# not run on one. The folds add sm_90 SASS instructions to the one-row loops (per weight byte, FP8 7.0 plain ->
+# 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated; NVFP4's word kernel 4.95 per element -> 5.8 / 6.9 / 8.5,
+# against an H100's ~4.9 budget at the copy bandwidth) and save one launch each (~2-4 us); "fp8:all" is the
+# likeliest winner by those counts
+DEFAULT_FOLDED = ""
 
 
 def _folded_from_env(value: str | None) -> frozenset[tuple[str, str]]:

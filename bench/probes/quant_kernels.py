@@ -216,13 +216,22 @@ def weight_bytes(t: dict) -> int:
 
 def nvfp4_byte_kernel(x, t, launch=None):
     """``nvfp4_gemv`` with the one-row word kernel switched off (``quant_gemv.NVFP4_WORD_GEMV``) for the call."""
+    return _nvfp4_gemv_with_words(False, x, t, launch)
+
+
+def nvfp4_word_kernel(x, t, launch=None):
+    """``nvfp4_gemv`` with the one-row word kernel switched on for the call (off by default until GPU-tested)."""
+    return _nvfp4_gemv_with_words(True, x, t, launch)
+
+
+def _nvfp4_gemv_with_words(words: bool, x, t, launch):
     from autodeploy.kernels import quant_gemv
 
-    quant_gemv.NVFP4_WORD_GEMV = False
+    before, quant_gemv.NVFP4_WORD_GEMV = quant_gemv.NVFP4_WORD_GEMV, words
     try:
         return quant_gemv.nvfp4_gemv(x, **t, launch=launch)
     finally:
-        quant_gemv.NVFP4_WORD_GEMV = True
+        quant_gemv.NVFP4_WORD_GEMV = before
 
 
 def implementations() -> list[Impl]:
@@ -246,7 +255,7 @@ def implementations() -> list[Impl]:
         Impl("bf16 GEMV", "bf16", lambda x, t: gemv(x, t["weight"])[0], weight_only, max_rows=4),
         Impl("fp8_gemv channel", "fp8_channel", on(fp8_gemv), weight_only, max_rows=4),
         Impl("fp8_gemv block128", "fp8_block", on(fp8_gemv), weight_only, max_rows=4),
-        Impl("nvfp4_gemv", "nvfp4", on(nvfp4_gemv), weight_only, max_rows=4),
+        Impl("nvfp4_gemv", "nvfp4", nvfp4_word_kernel, weight_only, max_rows=4),
         Impl("nvfp4_gemv bytes", "nvfp4", nvfp4_byte_kernel, weight_only, max_rows=1),
         Impl("fp8 weight-only channel", "fp8_channel", on(fp8_weight_only_gemm), weight_only, max_rows=512),
         Impl("fp8 weight-only block128", "fp8_block", on(fp8_weight_only_gemm), weight_only, max_rows=512),
@@ -318,7 +327,8 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
         return QuantGemvLaunch(block_n, block_b, warps, fold=fold)
 
     kernels = {"fp8_gemv channel": (fp8_gemv, FP8_GEMV_SWEEP, fp8_launch),
-               "nvfp4_gemv": (nvfp4_gemv, NVFP4_GEMV_SWEEP, QuantGemvLaunch),
+               "nvfp4_gemv": (lambda x, launch, **t: nvfp4_word_kernel(x, t, launch), NVFP4_GEMV_SWEEP,
+                              QuantGemvLaunch),
                "nvfp4_gemv bytes": (lambda x, launch, **t: nvfp4_byte_kernel(x, t, launch), GEMV_SWEEP,
                                     QuantGemvLaunch),
                "fp8 weight-only channel": (fp8_weight_only_gemm, TC_SWEEP, _tc_launch),

@@ -32,8 +32,9 @@ def test_the_byte_kernel_call_switches_the_word_kernel_off_for_the_call_only(mon
     t = dict(weight_packed=packed, weight_scale=torch.rand(6, 2).to(torch.float8_e4m3fn),
              weight_scale_2=torch.tensor(0.5))
     x = torch.randn(1, 32)
+    before = quant_gemv.NVFP4_WORD_GEMV
     torch.testing.assert_close(qk.nvfp4_byte_kernel(x, t), ref.nvfp4_linear_reference(x, *t.values()))
-    assert quant_gemv.NVFP4_WORD_GEMV
+    assert quant_gemv.NVFP4_WORD_GEMV == before
 
 
 def test_impls_select_the_steps_too():

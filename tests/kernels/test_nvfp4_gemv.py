@@ -22,6 +22,14 @@ LAUNCHES = {"preload": TWO_GROUPS, "no-preload": QuantGemvLaunch(4, 32, trigger=
             "wide": QuantGemvLaunch(2, 256, num_warps=2), "default": None}
 
 
+@pytest.fixture(autouse=True)
+def word_kernel_on(monkeypatch):
+    """The word kernel is off by default until it has run on a GPU (``AUTODEPLOY_NVFP4_WORD_GEMV=1``)."""
+    from autodeploy.kernels import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", True)
+
+
 def nvfp4_weight(n, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
