@@ -57,7 +57,7 @@ from . import quant_reference as ref
 from .activation import ACTIVATION_IDS
 from .e2m1 import E2M1_UNIT, e2m1_pairs_to_fp16, e2m1_ptx
 from .gemv import (MAX_ROWS, NO_PROLOGUE, GemvPrologue, Prologue, _accumulate, _inverse_rms, _normalize_rows,
-                   _operand, operand_columns, two_pass)
+                   _operand, operand_columns, two_pass, unit_stride)
 from .pdl import Trigger
 
 class WeightFormat(IntEnum):
@@ -343,7 +343,7 @@ def _rows(x: torch.Tensor, columns: int, bias, n: int, what: str) -> torch.Tenso
     rows = x.reshape(-1, columns)
     if rows.shape[0] > MAX_ROWS:
         raise ValueError(f"{what} takes at most {MAX_ROWS} rows, got {rows.shape[0]}")
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return unit_stride(rows)
 
 
 def _launch(x, rows, weight, scales: ScaleLayout, bias, fmt: WeightFormat, k: int, launch: QuantGemvLaunch,

@@ -238,7 +238,7 @@ def implementations() -> list[Impl]:
     from autodeploy.kernels import quant_reference as ref
     from autodeploy.kernels.gemv import gemv
     from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_weight_only_gemm, nvfp4_gemm
-    from autodeploy.kernels.quant_gemv import fp8_gemv, nvfp4_gemv
+    from autodeploy.kernels.quant_gemv import fp8_gemv
 
     def weight_only(x, t, dequantized):  # the GEMVs' and NVFP4's semantics: x times the fp32 weight
         return x.float() @ dequantized().t()
@@ -321,7 +321,7 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
     ``GEMV_SWEEP`` (features x bytes / warps [/ fold]), the tensor-core GEMMs over ``TC_SWEEP`` (features, K
     tile, stages)."""
     from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
-    from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv, nvfp4_gemv
+    from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv
 
     def fp8_launch(block_n, block_b, warps, fold):
         return QuantGemvLaunch(block_n, block_b, warps, fold=fold)

@@ -255,8 +255,6 @@ def _quant_variants():
                      BLOCK_N=launch.block_n, BLOCK_B=launch.block_b, PDL=True, TRIGGER=int(launch.trigger),
                      PRELOAD=launch.preload, E2M1_PTX=True, FOLD=launch.fold, PROLOGUE=int(prologue), ACTIVATION=0,
                      TWO_PASS=dtype == "fp16" and prologue in (gemv.Prologue.RMS_NORM, gemv.Prologue.ADD_RMS_NORM))
-        step = {gemv.Prologue.NONE: "", gemv.Prologue.RMS_NORM: " norm", gemv.Prologue.ADD_RMS_NORM: " add+norm",
-                gemv.Prologue.GATED: " gated silu"}[prologue]
         name = f"{fmt.name.lower()}_gemv{STEP_NAMES[prologue]} {rows} row(s){' block' if block_scaled else ''}"
         name += f" {dtype}" if dtype != "bf16" else ""
         return name, qg._quant_gemv_kernel, pointers, const, launch.num_warps, 1, {"launch_pdl": True}
