@@ -6,7 +6,8 @@ its compiles. Which variants those are follows from the step limits and a few fa
 layer (heads, KV heads, head dim, dtype, KV cache dtype, page size, window, softcap, chunk, ALiBi, whether its RoPE is
 folded in), and all but the last can be read off the HF config before ``torch.export`` starts; the RoPE
 is guessed folded wherever the config names a rotary embedding (``fuse_rope_attention`` folds it for
-the rotate-half RoPE of the Llama family), except on the layers ``no_rope_layers`` marks 0 (NoPE). So, while the main thread exports, the compile workers compile
+the rotate-half RoPE of the Llama family), except on the layers ``no_rope_layers`` marks 0 (NoPE) and where the
+pass will not fold it (turned off, or an FP8 pool without its ``fp8_pools``). So, while the main thread exports, the compile workers compile
 the guessed variants into Triton's disk cache, and when the warm-up records the real ones, those
 guessed right are already there (or still compiling: the warm-up then waits for that same job).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -94,6 +95,21 @@ def _rope(hf_config: PretrainedConfig, head_dim: int, dtype: torch.dtype) -> tup
     return (rot_dim, dtype, False) if rot_dim > 0 else None
 
 
+def guess_compiled_kinds(hf_config: PretrainedConfig, config: CompileConfig, dtype: torch.dtype,
+                         kv_dtype: torch.dtype) -> list[AttentionKind]:
+    """``guess_attention_kinds``, without the RoPE where ``fuse_rope_attention`` will not fold it."""
+    kinds = guess_attention_kinds(hf_config, dtype)
+    return kinds if _rope_folded(config, kv_dtype) else list(dict.fromkeys(replace(k, rope=None) for k in kinds))
+
+
+def _rope_folded(config: CompileConfig, kv_dtype: torch.dtype) -> bool:
+    """Whether ``fuse_rope_attention`` (as ``config.passes`` sets it) folds the RoPE over a ``kv_dtype`` pool."""
+    from .passes.fuse_rope_attention import FuseRoPEAttentionConfig
+
+    fold = FuseRoPEAttentionConfig(**config.passes.get("fuse_rope_attention", {}))
+    return fold.enabled and (kv_dtype.itemsize > 1 or fold.fp8_pools)
+
+
 def start_early_attention_compiles(hf_config: PretrainedConfig, config: CompileConfig, device: torch.device,
                                    dtype: torch.dtype, max_seq_len: int, workers,
                                    kv_dtype: torch.dtype | None = None) -> int:
@@ -104,7 +120,7 @@ def start_early_attention_compiles(hf_config: PretrainedConfig, config: CompileC
     from .kernels.precompile import recording_compiles
     from .kvcache.allocator import blocks_needed
 
-    kinds = guess_attention_kinds(hf_config, dtype)
+    kinds = guess_compiled_kinds(hf_config, config, dtype, kv_dtype or dtype)
     if not kinds:
         return 0
     page = config.tokens_per_block

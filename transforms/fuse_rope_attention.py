@@ -10,7 +10,8 @@ be a strided slice) and the attention gets cos/sin reshaped to [T, R], one row p
 
 Rejected, counted with a reason: a chain through other ops or mixing the head dim, rotated q/k
 read elsewhere, cos/sin that vary along anything but the token (e.g. per head), that broadcast
-q/k up, or whose dtype would promote q/k (the unfused graph would attend in the wider dtype).
+q/k up, or whose dtype would promote q/k (the unfused graph would attend in the wider dtype); with
+``fp8_pools=False``, an attention over a one-byte (FP8) pool.
 """
 
 from __future__ import annotations
@@ -57,14 +58,17 @@ def paged_attention_ops() -> set:
     return {ATTENTION_BACKENDS.get(name).op for name in ATTENTION_BACKENDS.names()}
 
 
-def fuse_rope_attention(gm: fx.GraphModule) -> RuleResult:
-    """Fold each eligible ``rope_qk`` into the paged attention it feeds; see the module docstring."""
+def fuse_rope_attention(gm: fx.GraphModule, fp8_pools: bool = True) -> RuleResult:
+    """Fold each eligible ``rope_qk`` into the paged attention it feeds; see the module docstring.
+    ``fp8_pools``: also into the attentions whose KV pool holds one-byte (FP8) values."""
     result = RuleResult()
     for attention in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in paged_attention_ops()]:
         if attention.kwargs.get("rope_cos") is not None:
             continue
         try:
             sides = _match(attention)
+            if sides is not None and not fp8_pools and _pool_itemsize(attention) == 1:
+                raise Rejected("its KV pool is FP8 (fp8_pools=False: q and k rotated before the attention)")
         except Rejected as why:
             result.rejected += 1
             result.reasons.append(f"{attention.name}: {why}")
@@ -91,6 +95,11 @@ def _match(attention: fx.Node) -> tuple[_Side, _Side] | None:
         raise Rejected(f"{rope.name} has other users")
     _check_rotation(rope, q_side, k_side)
     return q_side, k_side
+
+
+def _pool_itemsize(attention: fx.Node) -> int:
+    """Bytes per value of the attention's KV pool (its fourth argument, as ``insert_kv_cache`` builds it)."""
+    return attention.args[3].meta["val"].dtype.itemsize
 
 
 def _rope_output(node) -> fx.Node | None:

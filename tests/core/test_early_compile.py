@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 import autodeploy.compiler as compiler
 from autodeploy.compiler import compile_config
 from autodeploy.config import CompileConfig
-from autodeploy.early_compile import AttentionKind, guess_attention_kinds
+from autodeploy.early_compile import AttentionKind, guess_attention_kinds, guess_compiled_kinds
 from autodeploy.kernels.compile_workers import CompileWorkers
 from autodeploy.tiny import tiny_config
 from passes.warm_up import _rotary
@@ -36,15 +36,19 @@ def graph_attention_kinds(gm) -> set[AttentionKind]:
     return kinds
 
 
-@pytest.mark.parametrize("model_type, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32"),
-                                               ("gemma2", "float32"), ("qwen2", "float16")])
-def test_the_guess_covers_every_attention_kind_of_the_compiled_graph(model_type, dtype):
+@pytest.mark.parametrize("model_type, dtype, kv", [
+    ("llama", "float32", "auto"), ("llama", "bfloat16", "auto"), ("mistral", "float32", "auto"),
+    ("gemma2", "float32", "auto"), ("qwen2", "float16", "auto"), ("llama", "float16", "fp8")])
+def test_the_guess_covers_every_attention_kind_of_the_compiled_graph(model_type, dtype, kv):
+    """(An FP8 pool: the RoPE stays a rope_qk before the attention, as fuse_rope_attention leaves it.)"""
     hf_config = tiny_config(model_type)
-    model = compile_config(hf_config, CompileConfig(dtype=dtype, **CPU_TRITON))
-    found = graph_attention_kinds(model.gm)
-    guessed = guess_attention_kinds(hf_config, getattr(torch, dtype))
+    config = CompileConfig(dtype=dtype, kv_cache_dtype=kv, **CPU_TRITON)
+    found = graph_attention_kinds(compile_config(hf_config, config).gm)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else getattr(torch, dtype)
+    guessed = guess_compiled_kinds(hf_config, config, getattr(torch, dtype), kv_dtype)
     assert found and found <= set(guessed), (found, guessed)
     assert len(guessed) <= 2 * len(found)  # no more than one wrong guess per right one (mistral, qwen2)
+    assert all(kind.rope is None for kind in guessed) == (kv == "fp8")
 
 
 def test_the_guess_has_chunked_nope_and_alibi_kinds():

@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from autodeploy.config import CompileConfig
-from autodeploy.early_compile import guess_attention_kinds, start_early_attention_compiles
+from autodeploy.early_compile import guess_compiled_kinds, start_early_attention_compiles
 from autodeploy.kernels.attention_warmup import warm_up_launches
 from autodeploy.kernels.precompile import recording_compiles
 from autodeploy.tiny import tiny_config
@@ -35,7 +35,7 @@ early, warm_up = [], []
 for kv_dtype in [getattr(torch, name) for name in sys.argv[2:]] or [dtype]:
     start_early_attention_compiles(hf_config, config, cpu, dtype, max_seq_len, workers, kv_dtype)
     early += [spec.key for spec in workers.specs]
-    for kind in guess_attention_kinds(hf_config, dtype):
+    for kind in guess_compiled_kinds(hf_config, config, dtype, kv_dtype):
         pages = 300  # a pool as the KV sizing step would allocate it: any size
         cache = torch.zeros(pages, 2, config.tokens_per_block, kind.num_kv_heads, kind.head_dim, dtype=kv_dtype)
         with recording_compiles() as specs:

@@ -114,6 +114,39 @@ def test_unsupported_cases_are_rejected_with_a_reason(module, shape, reason):
     assert check.count(ROPE_QK) == 1 and "rope_cos" not in _fused(check).kwargs
 
 
+def _fp8_pool(inputs):
+    """``inputs`` with the cache as an FP8 (e4m3) pool of the same values."""
+    return (*inputs[:-1], inputs[-1].to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("fp8_pools", [False, True])
+def test_an_fp8_pool_keeps_its_rope_qk_unless_asked(fp8_pools):
+    """Over an FP8 pool the kernel with RoPE keeps more registers (fewer programs an SM): the rotation stays a
+    rope_qk by default; ``fp8_pools=True`` folds it as over any pool. Both compute the eager graph's values."""
+    module, matches = RotatedPagedAttention(), int(fp8_pools)
+    check = check_rewrite(module, _fp8_pool(_inputs(FIRST)), lambda gm: fuse_rope_attention(gm, fp8_pools=fp8_pools),
+                          expected_matches=matches, second_inputs=_fp8_pool(_inputs(SECOND)), dynamic=DYNAMIC)
+    assert check.count(ROPE_QK) == 1 - matches and ("rope_cos" in _fused(check).kwargs) is fp8_pools
+    assert check.result.rejected == 1 - matches
+    assert fp8_pools or "FP8" in check.result.reasons[0]
+
+
+def test_a_wider_pool_folds_whatever_fp8_pools_says():
+    check = check_rewrite(RotatedPagedAttention(), _inputs(FIRST), lambda gm: fuse_rope_attention(gm, fp8_pools=False),
+                          expected_matches=1, second_inputs=_inputs(SECOND), dynamic=DYNAMIC)
+    assert check.count(ROPE_QK) == 0
+
+
+def test_the_pass_leaves_fp8_pools_by_default_and_says_why(caplog):
+    runner = pass_runner("fuse_rope_attention")
+    with caplog.at_level("INFO", logger="autodeploy"):
+        check = check_rewrite(RotatedPagedAttention(), _fp8_pool(_inputs(FIRST)), runner, expected_matches=0,
+                              second_inputs=_fp8_pool(_inputs(SECOND)), dynamic=DYNAMIC)
+    assert check.count(ROPE_QK) == 1 and "1 rejected, 1 left (paged_attention: its KV pool is FP8" in caplog.text
+    folded = pass_runner("fuse_rope_attention", fp8_pools=True)
+    assert check_rewrite(RotatedPagedAttention(), _fp8_pool(_inputs(FIRST)), folded, expected_matches=1).count(ROPE_QK) == 0
+
+
 def test_the_pass_reports_what_it_folded():
     check = check_rewrite(RotatedPagedAttention(), _inputs(FIRST), pass_runner("fuse_rope_attention"),
                           expected_matches=1, second_inputs=_inputs(SECOND), dynamic=DYNAMIC)
