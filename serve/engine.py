@@ -38,7 +38,8 @@ from autodeploy.kvcache.block_manager import BlockManager
 from autodeploy.kvcache.metadata import PLACEHOLDER_TOKEN
 from autodeploy.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import RequestOutput
+from .reports import detokenize, request_metrics, request_output
 from .request_bounds import RequestBounds, check_request
 from .runner import ModelRunner, PendingStep
 from .sampler import Sampler
@@ -274,7 +275,7 @@ class Engine:
             if not seq.is_finished:
                 self._finish(seq, "error", None)
         return RequestOutput(request_id, seqs[0].request.prompt_token_ids, (), True,
-                             metrics=_request_metrics(seqs, True), error=f"{type(exc).__name__}: {exc}")
+                             metrics=request_metrics(seqs, True), error=f"{type(exc).__name__}: {exc}")
 
     def _may_schedule_ahead(self, in_flight: PendingStep) -> bool:
         return self.overlap and not any(seq.params.uses_penalties for seq in in_flight.rows)
@@ -366,7 +367,7 @@ class Engine:
             if final_only and not seq.is_finished and not params.stop:
                 continue  # nothing to detokenize or report before it finishes
             try:
-                self._detokenize(seq)  # (may finish it: a stop string)
+                detokenize(seq, self._finish)  # (may finish it: a stop string)
             except Exception as exc:  # noqa: BLE001 (this request alone fails)
                 touched.pop(seq.request.request_id, None)
                 reports.append(self._fail_request(seq.request.request_id, exc))
@@ -380,53 +381,12 @@ class Engine:
                 reports.append(self._fail_request(rid, exc))
         return [r for r in reports if r is not None]
 
-    def _detokenize(self, seq: Sequence) -> None:
-        """Feed new tokens to the detokenizer; a completed stop string ends the sequence there."""
-        if seq.detokenizer.tokenizer is None:  # detokenize=False: no text, so no stop string to find
-            seq.num_detokenized = len(seq.token_ids) - len(seq.request.prompt_token_ids)
-            return
-        new = seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :]  # not output_token_ids: no full copy
-        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        cut = seq.detokenizer.add_tokens(new, seq.num_detokenized, seq.params.min_tokens, stopped_by_token)
-        if cut is not None:
-            produced, stop = cut
-            del seq.token_ids[seq.num_prompt_tokens + produced :]
-            del seq.logprobs[produced:]
-            if seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self._finish(seq, "stop", stop)
-        seq.num_detokenized = seq.num_output_tokens
-
     def _request_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
         """The delta report of one request; a finished request is forgotten here."""
-        # (runs for every sequence of every step with per-step reports: plain attributes, no properties)
-        num_prompt = len(seqs[0].request.prompt_token_ids)
-        outputs = tuple(self._delta(s, num_prompt) for s in seqs
-                        if s.num_reported < len(s.token_ids) - num_prompt
-                        or (s.status is Status.FINISHED and not s.reported_finish))
-        first = seqs[0]
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None and not first.sent_prompt_logprobs and first.num_reported > 0:
-            prompt_logprobs, first.sent_prompt_logprobs = tuple(first.prompt_logprobs), True
-        finished = all(s.status is Status.FINISHED for s in seqs)
-        if finished:
+        report = request_output(request_id, seqs)
+        if report.finished:
             del self._requests[request_id]
-        return RequestOutput(request_id, first.request.prompt_token_ids, outputs, finished, prompt_logprobs,
-                             first.num_cached_tokens, _request_metrics(seqs, finished))
-
-    def _delta(self, seq: Sequence, num_prompt: int) -> CompletionOutput:
-        finished = seq.status is Status.FINISHED
-        start = seq.num_reported
-        seq.num_reported, seq.reported_finish = len(seq.token_ids) - num_prompt, finished
-        return CompletionOutput(
-            index=seq.index,
-            text=seq.detokenizer.take_new_text(finished),
-            token_ids=tuple(seq.token_ids[num_prompt + start :]),
-            logprobs=tuple(seq.logprobs[start:]) if seq.request.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        return report
 
     # ---- validation -----------------------------------------------------------------------------
 
@@ -461,19 +421,6 @@ def freeze_long_lived_objects() -> None:
     collected as usual."""
     gc.collect()
     gc.freeze()
-
-
-def _request_metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:
-    if len(seqs) == 1:  # the common case, on the per-token path
-        seq = seqs[0]
-        return RequestMetrics(seq.request.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                              time.monotonic() if finished else None)
-    return RequestMetrics(
-        arrival_time=seqs[0].request.arrival_time,
-        first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
-        first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-        finished_time=time.monotonic() if finished else None,
-    )
 
 
 def raise_if_device_fault(exc: BaseException) -> None:
