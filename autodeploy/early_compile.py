@@ -8,8 +8,8 @@ folded in), and all but the last can be read off the HF config before ``torch.ex
 is guessed folded wherever the config names a rotary embedding (``fuse_rope_attention`` folds it for
 the rotate-half RoPE of the Llama family), except on the layers ``no_rope_layers`` marks 0 (NoPE) and where the
 pass will not fold it (turned off, or an FP8 pool without its ``fp8_pools``). So, while the main thread exports,
-the compile workers compile the guessed variants into Triton's disk cache, and when the warm-up records the real ones, those
-guessed right are already there (or still compiling: the warm-up then waits for that same job).
+the compile workers compile the guessed variants into Triton's disk cache, and when the warm-up records the real
+ones, those guessed right are already there (or still compiling: the warm-up then waits for that same job).
 
 A wrong guess costs worker time that the export leaves idle, nothing else: the kernels that run are
 the warm-up's, compiled or loaded from the disk cache exactly as without this. ``early_compiles=False``
