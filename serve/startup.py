@@ -32,6 +32,10 @@ log = logging.getLogger("autodeploy.serve")
 # A mixed step of the Llama-3.1-8B shape with 512 prompt tokens next to 64 decodes computes ~576 rows of
 # every GEMM: about twice the batch-64 decode step on an H100, inside the ITL p99 bound of 3x.
 DEFAULT_PREFILL_TOKENS = 512
+# ... and 128 once half the batch decodes: such a chunk rides on the weights the decodes stream (H100, 2026-12-07
+# 22:18, bench/probes/prefill_budget.py, 8B c64 128/128: 82.7% -> 84.7% of the engine's batch-64 decode, ITL p99
+# 18.0 -> 9.7 ms, TTFT p99 231-253 -> 325-363 ms)
+DEFAULT_BUSY_PREFILL_TOKENS = 128
 
 
 class ServeSettings(BaseModel):
@@ -63,7 +67,7 @@ class ServeSettings(BaseModel):
         "chunks of this many next to the decodes, which keeps the time between two tokens of every other stream "
         "short; 0: prompts may take the whole --max_num_tokens budget")
     busy_prefill_tokens: int = Field(
-        0, ge=0, description="most prompt tokens per engine step once at least half of --max_batch_size sequences "
+        DEFAULT_BUSY_PREFILL_TOKENS, ge=0, description="most prompt tokens per engine step once at least half of --max_batch_size sequences "
         "decode in it: a small chunk next to many decodes rides on the weights they stream anyway; "
         "0: --max_num_prefill_tokens in every step")
     warm_up: bool | None = Field(None, description="before saying ready, run requests through the engine that meet "

@@ -1,5 +1,5 @@
 """The one-row NVFP4 GEMV (batch-1 decode): ``out[1, N] = x[1, K] @ dequantize(W).T (+ bias)``, what
-``quant_gemv.nvfp4_gemv`` runs at one row with ``AUTODEPLOY_NVFP4_WORD_GEMV=1`` (off until it has run on a GPU),
+``quant_gemv.nvfp4_gemv`` runs at one row (``AUTODEPLOY_NVFP4_WORD_GEMV=0`` keeps the byte kernel instead),
 its semantics and checks (``quant_reference.py``'s NVFP4 format and reference: products in fp32, per block of 16
 summed and times the block's e4m3 scale, the global scale last).
 

@@ -24,7 +24,7 @@ LAUNCHES = {"preload": TWO_GROUPS, "no-preload": QuantGemvLaunch(4, 32, trigger=
 
 @pytest.fixture(autouse=True)
 def word_kernel_on(monkeypatch):
-    """The word kernel is off by default until it has run on a GPU (``AUTODEPLOY_NVFP4_WORD_GEMV=1``)."""
+    """The word kernel (the default since its GPU run; ``AUTODEPLOY_NVFP4_WORD_GEMV=0`` turns it off)."""
     from autodeploy.kernels import quant_gemv
 
     monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", True)

@@ -27,7 +27,7 @@ SHAPES = [(4096 + 48, 4096), (1000, 4000)]  # N ragged; K not a multiple of 16 b
 
 @pytest.fixture
 def word_kernel_on(monkeypatch):
-    """The one-row NVFP4 word kernel (off by default until these tests have passed on a GPU)."""
+    """The one-row NVFP4 word kernel (the default; on here whatever ``AUTODEPLOY_NVFP4_WORD_GEMV`` says)."""
     from autodeploy.kernels import quant_gemv
 
     monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", True)

@@ -102,12 +102,13 @@ def test_out_of_blocks_a_prefill_never_preempts_a_decode_already_in_the_step():
     assert all(seq.block_ids for seq in in_step)
 
 
-def test_the_server_defaults_to_a_512_token_prefill_budget_and_0_turns_it_off():
+def test_the_server_defaults_to_512_prompt_tokens_a_step_128_next_to_a_busy_batch_and_0_turns_them_off():
     from autodeploy.serve.startup import ServeSettings, engine_config
 
     assert engine_config(ServeSettings()).max_num_prefill_tokens == 512
     assert engine_config(ServeSettings(max_num_prefill_tokens=0)).max_num_prefill_tokens is None
-    assert engine_config(ServeSettings()).busy_prefill_tokens is None
-    assert engine_config(ServeSettings(busy_prefill_tokens=128)).busy_prefill_tokens == 128
+    assert engine_config(ServeSettings()).busy_prefill_tokens == 128
+    assert engine_config(ServeSettings(busy_prefill_tokens=0)).busy_prefill_tokens is None
+    assert engine_config(ServeSettings(busy_prefill_tokens=64)).busy_prefill_tokens == 64
     assert Scheduler(BlockManager(8, 16), 4, 256, None).max_num_prefill_tokens == 256
     assert Scheduler(BlockManager(8, 16), 4, 256, 1024).max_num_prefill_tokens == 256  # never above the step
