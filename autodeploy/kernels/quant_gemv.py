@@ -233,7 +233,7 @@ FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
 # one row of NVFP4 takes nvfp4_gemv.py's kernel (bytes read as words, no layout conversion; rows that do not start
 # on a word keep the byte kernel below): the 8B shape's batch-1 linears 3.355 -> 2.327 ms (H100, 2026-12-07 22:24,
 # bench/probes/quant_kernels.py, same run). AUTODEPLOY_NVFP4_WORD_GEMV=0 keeps the byte kernel
-NVFP4_WORD_GEMV = os.environ.get("AUTODEPLOY_NVFP4_WORD_GEMV", "1") == "1"
+NVFP4_WORD_GEMV = os.environ.get("AUTODEPLOY_NVFP4_WORD_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)

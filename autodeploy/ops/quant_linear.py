@@ -62,12 +62,11 @@ STEPS = ("RMS_NORM", "ADD_RMS_NORM", "GATED")  # the fused ops' steps (kernels/g
 FORMATS = ("fp8", "nvfp4")
 
 
-# unset: every step apart, until the A/B on a GPU (bench/probes/quant_kernels.py --steps): an earlier fold measured
-# slower on an H100 (FP8 bs1 4.03 -> 4.69 ms, NVFP4 4.94 -> 5.04; docs/perf.md), this one (2026-12-07, CPU host) has
-# not run on one. The folds add sm_90 SASS instructions to the one-row loops (per weight byte, FP8 7.0 plain ->
-# 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated; NVFP4's word kernel 4.95 per element -> 5.8 / 6.9 / 8.5,
-# against an H100's ~4.9 budget at the copy bandwidth) and save one launch each (~2-4 us); "fp8:all" is the
-# likeliest winner by those counts
+# unset: every step apart. The folds measured slower on an H100 (bench/probes/quant_kernels.py --steps, 2026-12-07
+# 22:24: a step + qkv/gate_up/down, 32 layers, FP8 2.879 -> 3.381 ms, NVFP4 1.893 -> 2.491; the FP8 bs1 engine step
+# 3.543 -> 3.987 ms): they add sm_90 SASS instructions to loops that are issue-bound already (per weight byte, FP8
+# 7.0 plain -> 8.3 / 9.0 / 11.3 with RMSNorm / add + RMSNorm / gated; NVFP4's word kernel 4.95 per element -> 5.8 /
+# 6.9 / 8.5, against an H100's ~4.9 budget at the copy bandwidth) and save one launch each (~2-4 us)
 DEFAULT_FOLDED = ""
 
 

@@ -220,7 +220,7 @@ def nvfp4_byte_kernel(x, t, launch=None):
 
 
 def nvfp4_word_kernel(x, t, launch=None):
-    """``nvfp4_gemv`` with the one-row word kernel switched on for the call (off by default until GPU-tested)."""
+    """``nvfp4_gemv`` with the one-row word kernel switched on for the call, whatever the environment says."""
     return _nvfp4_gemv_with_words(True, x, t, launch)
 
 

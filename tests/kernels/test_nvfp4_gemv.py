@@ -22,12 +22,7 @@ LAUNCHES = {"preload": TWO_GROUPS, "no-preload": QuantGemvLaunch(4, 32, trigger=
             "wide": QuantGemvLaunch(2, 256, num_warps=2), "default": None}
 
 
-@pytest.fixture(autouse=True)
-def word_kernel_on(monkeypatch):
-    """The word kernel (the default since its GPU run; ``AUTODEPLOY_NVFP4_WORD_GEMV=0`` turns it off)."""
-    from autodeploy.kernels import quant_gemv
-
-    monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", True)
+pytestmark = pytest.mark.usefixtures("word_kernel_on")  # (conftest.py) whatever the environment says
 
 
 def nvfp4_weight(n, k, seed=0):

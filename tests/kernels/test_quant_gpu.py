@@ -25,14 +25,6 @@ BF16 = 1e-2
 SHAPES = [(4096 + 48, 4096), (1000, 4000)]  # N ragged; K not a multiple of 16 bytes (unaligned rows)
 
 
-@pytest.fixture
-def word_kernel_on(monkeypatch):
-    """The one-row NVFP4 word kernel (the default; on here whatever ``AUTODEPLOY_NVFP4_WORD_GEMV`` says)."""
-    from autodeploy.kernels import quant_gemv
-
-    monkeypatch.setattr(quant_gemv, "NVFP4_WORD_GEMV", True)
-
-
 def cuda(*tensors):
     return [t.cuda() if isinstance(t, torch.Tensor) else t for t in tensors]
 

@@ -280,7 +280,7 @@ def test_fused_ops_past_the_folding_rows_keep_the_step_apart(gemv_steps, monkeyp
 def test_the_folded_steps_from_the_environment():
     every = {(f, s) for f in ql.FORMATS for s in ql.STEPS}
     assert ql._folded_from_env("1") == ql._folded_from_env("all") == every
-    assert ql._folded_from_env(None) == set()  # unset: every step apart until timed on a GPU (DEFAULT_FOLDED)
+    assert ql._folded_from_env(None) == set()  # unset: every step apart (DEFAULT_FOLDED: measured slower folded)
     assert ql._folded_from_env("0") == ql._folded_from_env("") == set()
     assert ql._folded_from_env(" gated , NVFP4:rms_norm") == {("fp8", "GATED"), ("nvfp4", "GATED"),
                                                                ("nvfp4", "RMS_NORM")}
