@@ -13,6 +13,9 @@ codes and scales), the activation quantization included where the op quantizes (
   word kernel of ``kernels/nvfp4_gemv.py``) / ``nvfp4_gemv bytes`` (the byte kernel it replaced at one row,
   ``AUTODEPLOY_NVFP4_WORD_GEMV=0``: the A/B pair) and
   ``fp8 weight-only channel`` / ``block128`` (the same on the tensor cores, M <= 512);
+- ``fp8_gemv tma channel`` (one row only): ``kernels/fp8_tma_gemv.py``, an experiment not dispatched by the
+  runtime: the weight tiles brought into shared memory by TMA through a multi-stage pipeline (with ``--sweep``
+  over ``FP8_TMA_SWEEP``; ``AUTODEPLOY_FP8_TMA_TILE`` replaces its default tile);
 - ``scaled_mm tensor`` (static per-tensor input and weight scales, cuBLASLt) and ``scaled_mm
   rowwise`` (per-channel weight, dynamic per-token input) through ``fp8_gemm(backend="scaled_mm")``;
   ``fp8_gemm triton rowwise`` (M >= 8), the same on the Triton GEMM;
@@ -34,6 +37,9 @@ LM head, which stays bf16 in the quantized rows) against the weight stream's flo
     PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --sweep \
         --impls 'nvfp4_gemv,bf16 GEMV'
     PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --steps   # + the steps before
+    # one-row FP8 on TMA against the FP8 GEMV and bf16, over its tiles:
+    PYTHONPATH=bench python bench/probes/quant_kernels.py --rows 1 --gemm-rows '' --sweep \
+        --impls 'fp8_gemv channel,fp8_gemv tma channel,bf16 GEMV'
 """
 
 from __future__ import annotations
@@ -67,6 +73,12 @@ GEMV_SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8)
 # the one-row NVFP4 word kernel (features, bytes a feature, warps): 64 registers at 4 features, 128 at 8 (sm_90)
 NVFP4_GEMV_SWEEP = [(4, 1024, 2), (4, 2048, 4), (4, 512, 1), (8, 1024, 2), (8, 512, 1), (2, 2048, 2), (2, 1024, 1)]
 TC_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 3), (64, 128, 6), (16, 128, 6)]
+# the one-row FP8 GEMV on TMA (features, bytes a box, warps, stages; TMA boxes: at most 256 bytes along K). With
+# every program resident each SM has N * (stages - 1) * bytes / 132 in flight (o at 16 x 256 x 8: 56 KB) in
+# (stages - 1) * features * bytes of shared memory per program (32 KB at 16 x 256 x 8; sm_90: 40 registers,
+# compile_sm90.py --only fp8_tma_gemv); the default (TmaGemvLaunch.choose) is the row without a tile
+FP8_TMA_SWEEP = [(8, 256, 4, 4), (8, 256, 4, 8), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 4, 6), (16, 256, 4, 8),
+                 (32, 256, 4, 4), (32, 256, 4, 6), (16, 128, 4, 8), (32, 128, 4, 8)]
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,7 @@ def table(results: list[Result], copy_bytes_per_s: float) -> str:
 DECODE_STEPS = {  # the batch-1 linears of one 8B decode step: (layer impl, LM head impl)
     "bf16": ("bf16 GEMV", "bf16 GEMV"),
     "fp8 gemv": ("fp8_gemv channel", "bf16 GEMV"),
+    "fp8 tma gemv": ("fp8_gemv tma channel", "bf16 GEMV"),
     "fp8 tc": ("fp8 weight-only channel", "bf16 GEMV"),
     "fp8 block gemv": ("fp8_gemv block128", "bf16 GEMV"),
     "fp8 block tc": ("fp8 weight-only block128", "bf16 GEMV"),
@@ -236,6 +249,7 @@ def _nvfp4_gemv_with_words(words: bool, x, t, launch):
 
 def implementations() -> list[Impl]:
     from autodeploy.kernels import quant_reference as ref
+    from autodeploy.kernels.fp8_tma_gemv import fp8_tma_gemv
     from autodeploy.kernels.gemv import gemv
     from autodeploy.kernels.quant_gemm import fp8_gemm, fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import fp8_gemv
@@ -255,6 +269,7 @@ def implementations() -> list[Impl]:
         Impl("bf16 GEMV", "bf16", lambda x, t: gemv(x, t["weight"])[0], weight_only, max_rows=4),
         Impl("fp8_gemv channel", "fp8_channel", on(fp8_gemv), weight_only, max_rows=4),
         Impl("fp8_gemv block128", "fp8_block", on(fp8_gemv), weight_only, max_rows=4),
+        Impl("fp8_gemv tma channel", "fp8_channel", on(fp8_tma_gemv), weight_only, max_rows=1),
         Impl("nvfp4_gemv", "nvfp4", nvfp4_word_kernel, weight_only, max_rows=4),
         Impl("nvfp4_gemv bytes", "nvfp4", nvfp4_byte_kernel, weight_only, max_rows=1),
         Impl("fp8 weight-only channel", "fp8_channel", on(fp8_weight_only_gemm), weight_only, max_rows=512),
@@ -318,8 +333,9 @@ def measure(shape: str, m: int, impl: Impl, weights: ShapeWeights, call=None,
 
 def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[Result]:
     """The batch-1 weight-only kernels over launch configs: the CUDA-core GEMVs over ``FP8_GEMV_SWEEP`` /
-    ``GEMV_SWEEP`` (features x bytes / warps [/ fold]), the tensor-core GEMMs over ``TC_SWEEP`` (features, K
-    tile, stages)."""
+    ``GEMV_SWEEP`` (features x bytes / warps [/ fold]), the TMA one over ``FP8_TMA_SWEEP`` (features x bytes /
+    warps / stages), the tensor-core GEMMs over ``TC_SWEEP`` (features, K tile, stages)."""
+    from autodeploy.kernels.fp8_tma_gemv import TmaGemvLaunch, fp8_tma_gemv
     from autodeploy.kernels.quant_gemm import fp8_weight_only_gemm, nvfp4_gemm
     from autodeploy.kernels.quant_gemv import QuantGemvLaunch, fp8_gemv
 
@@ -327,6 +343,7 @@ def launch_sweep(shape: str, impls: list[Impl], weights: ShapeWeights) -> list[R
         return QuantGemvLaunch(block_n, block_b, warps, fold=fold)
 
     kernels = {"fp8_gemv channel": (fp8_gemv, FP8_GEMV_SWEEP, fp8_launch),
+               "fp8_gemv tma channel": (fp8_tma_gemv, FP8_TMA_SWEEP, TmaGemvLaunch),
                "nvfp4_gemv": (lambda x, launch, **t: nvfp4_word_kernel(x, t, launch), NVFP4_GEMV_SWEEP,
                               QuantGemvLaunch),
                "nvfp4_gemv bytes": (lambda x, launch, **t: nvfp4_byte_kernel(x, t, launch), GEMV_SWEEP,

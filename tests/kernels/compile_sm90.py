@@ -3,7 +3,7 @@
 Catches what the CPU interpreter cannot: GPU-only compile errors (types of loop-carried values,
 unsupported ops) and register spills, and shows what the compiler made of each variant: registers,
 spill stack, shared memory, and whether the tensor cores (mma / wgmma) and asynchronous copies
-(cp.async) are used. Arguments are specialised like the JIT does at run time: pointers and strides
+(cp.async, TMA) are used. Arguments are specialised like the JIT does at run time: pointers and strides
 divisible by 16. Needs only torch + triton (the wheel ships ptxas and cuobjdump).
 
 A spill inside a loop fails the variant. ptxas also parks a few long-lived values (a predicate
@@ -57,7 +57,8 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict
     hidden sizes divisible by 16, except the kernel's ``do_not_specialize`` arguments (the JIT leaves
     those unspecialized; assuming them divisible here once hid the 32 B spill and fewer vector loads
     of the batch-1 attention the GPU actually ran), and pointers the kernel marks
-    ``do_not_specialize_on_alignment``."""
+    ``do_not_specialize_on_alignment``. A host-side TMA descriptor is a "pointer" typed
+    ``tensordesc<u8[16, 256]>`` (dtype, block shape), as the JIT types a ``TensorDescriptor`` argument."""
     sig, attrs = {}, {}
     named = lambda args: {kernel.arg_names[a] if isinstance(a, int) else a for a in args}  # noqa: E731
     unspecialized, unaligned = named(kernel.do_not_specialize), named(kernel.do_not_specialize_on_alignment)
@@ -66,7 +67,8 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
-            if name not in unaligned:
+            # a host TMA descriptor is passed by value: the JIT specializes neither it nor its shape and strides
+            if name not in unaligned and not pointers[name].startswith("tensordesc"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
@@ -108,6 +110,7 @@ def _spills_in_loops(cubin: bytes) -> int:
 
 def _instructions(ptx: str) -> str:
     kinds = [("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("cp.async", r"cp\.async\.c[ag]"),
+             ("tma", r"cp\.async\.bulk\.tensor"),  # (TMA: a descriptor's boxes into shared memory)
              ("ld.v4", r"ld\.global\S*\.v4"), ("st.v4", r"st\.global\S*\.v4"),
              ("ld.cg.v4", r"ld\.global\.cg\S*\.v4"),  # (.cg: the split merge's loads of partials)
              ("cvt.bf16.f16", r"cvt\.bf16\.f16")]  # (e4m3 -> fp16 -> bf16: one more conversion a value)

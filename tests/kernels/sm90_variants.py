@@ -10,6 +10,7 @@ import triton
 from autodeploy.kernels import activation, gemv, kv_cache_write, mla_attention, norm, paged_attention, rope
 from autodeploy.kernels import fp8_quantize as fq
 from autodeploy.kernels import fp8_small_m as sm
+from autodeploy.kernels import fp8_tma_gemv as tg
 from autodeploy.kernels import norm_quantize as nq
 from autodeploy.kernels import nvfp4_gemv as nv
 from autodeploy.kernels import quant_gemm as qm
@@ -215,6 +216,25 @@ def _small_m_variants():
                launch.num_warps, launch.num_stages, {"launch_pdl": True})
 
 
+def _fp8_tma_gemv_variants():
+    """The one-row FP8 GEMV on TMA (``fp8_tma_gemv.py``: an experiment, not dispatched) as ``fp8_tma_gemv``
+    launches it on bf16 with per-channel scales (stride 1: the JIT makes it a constant) under PDL: the tiles
+    ``TmaGemvLaunch.choose`` picks at the 8B shapes, then some of the probe's sweep candidates."""
+    chosen = {tg.TmaGemvLaunch.choose(n, k): label for label, n, k in (("o, down", 4096, 4096), ("qkv", 6144, 4096),
+                                                                        ("gate_up, lm_head", 28672, 4096))}
+    others = (tg.TmaGemvLaunch(8, 256, 4, 8), tg.TmaGemvLaunch(32, 128, 4, 6), tg.TmaGemvLaunch(16, 128, 4, 8),
+              tg.TmaGemvLaunch(32, 256, 4, 4))
+    for launch, label in [*chosen.items(), *((launch, "sweep") for launch in others if launch not in chosen)]:
+        pointers = {n: "*bf16" for n in ("x_ptr", "bias_ptr", "out_ptr")}
+        pointers.update({"w_ptr": "*u8", "scale_ptr": "*fp32",
+                         "w_desc": f"tensordesc<u8[{launch.block_n}, {launch.block_k}]>"})
+        const = dict(stride_s=1, HAS_BIAS=False, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                     NUM_STAGES=launch.num_stages, FOLD=tg.FOLD, PREFETCH=tg.prefetch_bytes(launch),
+                     PDL=True)
+        name = f"fp8_tma_gemv {launch.block_n}x{launch.block_k} s{launch.num_stages} ({label})"
+        yield name, tg._fp8_tma_gemv_kernel, pointers, const, launch.num_warps, launch.num_stages, {"launch_pdl": True}
+
+
 def variants():
     """(name, kernel, pointer types, constexprs, warps, stages[, options]) of the variants the runtime uses."""
     bf16_ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -293,3 +313,4 @@ def variants():
     qk_ptrs = bf16_ptrs(*(f"{t}{n}_ptr" for t in "qk" for n in ("", "cos", "sin", "out")))
     yield ("rope_qk d128 half", rope._rope_qk_kernel, qk_ptrs, dict(rope_const, INTERLEAVED=False), 4, 1)
     yield from _quant_variants()
+    yield from _fp8_tma_gemv_variants()
