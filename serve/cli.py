@@ -29,7 +29,7 @@ SERVE_FLAGS: list[tuple[str, Any]] = [
     ("api_key_file", str), ("drain_timeout", float), ("seed", int), ("generation_config", str),
     ("override_generation_config", json.loads), ("metrics_prefix", str),
     ("engine_process", str), ("max_num_prefill_tokens", int),
-    ("busy_prefill_tokens", int), ("admission_wait_ms", float), ("timeline", str),
+    ("busy_prefill_tokens", int), ("timeline", str),
     ("tool_call_parser", str), ("reasoning_parser", str),  # tool calls and reasoning (vLLM's flags)
 ]
 SWITCHES = ["metrics_without_key", "enable_auto_tool_choice"]  # ServeSettings booleans that a bare flag turns on

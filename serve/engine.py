@@ -64,9 +64,6 @@ class EngineConfig:
     freeze_gc: bool | None = None  # default: on for CUDA (see freeze_long_lived_objects)
     # structured outputs: compile grammars in a worker process under this deadline (None: here, unbounded)
     grammar_compile_timeout: float | None = None
-    # the engine process's loop: after a step that finished a request, wait at most this long for the next
-    # one while the device still runs queued work (``admission.AdmissionWindow``; 0: never wait)
-    admission_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -118,10 +115,6 @@ class Engine:
         self.last_schedule = Schedule(())  # what the last step launched (benchmarks read it)
         self.last_resolved = Schedule(())  # whose results the last step waited for (with overlap: the one before)
         self.wait_seconds = 0.0  # host time spent waiting for the device's results (benchmarks read it)
-        # the last step's host time up to its launch, and the end and length of the last wait for results
-        # (``admission.AdmissionWindow`` reads them: when the device will run out of queued work)
-        self.launch_seconds = 0.0
-        self.last_wait_end, self.last_wait_seconds = 0.0, 0.0
         self.compile_watch = None  # counts compiles after ready (``compile_watch.CompileWatch``), once serving
 
     # ---- requests -------------------------------------------------------------------------------
@@ -222,7 +215,6 @@ class Engine:
         if self._in_flight is not None and not self._may_schedule_ahead(self._in_flight):
             reports += self._resolve(self._in_flight)
             self._in_flight = None
-        begun = time.perf_counter()
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
         if not schedule.chunks and self._in_flight is None and self.scheduler.has_work:
@@ -235,7 +227,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 (find the request that broke it; a device fault re-raises)
                 raise_if_device_fault(exc)
                 return reports + self._launch_isolating(schedule)
-        self.launch_seconds = time.perf_counter() - begun
         if self._in_flight is not None:
             reports += self._resolve(self._in_flight)  # while the device runs the step just launched
         self._in_flight = self._mark_launched(launched) if launched is not None else None
@@ -306,9 +297,7 @@ class Engine:
         """Wait for a launched step's tokens; stop sequences on stop tokens and length; report."""
         waited = time.perf_counter()
         result = step.wait()
-        self.last_wait_end = time.perf_counter()
-        self.last_wait_seconds = self.last_wait_end - waited
-        self.wait_seconds += self.last_wait_seconds
+        self.wait_seconds += time.perf_counter() - waited
         self.last_resolved = step.schedule
         sampled, failed = [], []
         caching, now = self.blocks.enable_prefix_caching, time.monotonic()

@@ -10,8 +10,7 @@ while idle, failure). Messages are msgpack through msgspec (``engine_protocol``)
 :func:`engine_main` is the process: it builds its engine (``get_parts``: compiles in a spawned
 process; a forked one takes the engine its parent built), reports ``Ready`` with the bounds the API
 process checks requests against, then loops: take every command waiting (block while idle), run a
-step, send its outputs (after a step that finished requests, take commands a little longer while the
-device still runs the step in flight: ``admission``). It exits when told to shut down, when its parent process is gone, or after
+step, send its outputs. It exits when told to shut down, when its parent process is gone, or after
 reporting ``EngineFailed`` when a step raises (a device fault) or a tensor-parallel rank died.
 """
 
@@ -29,7 +28,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from .admission import AdmissionWindow
 from .engine_protocol import (AbortRequests, AddRequest, Codec, Command, EngineFailed, EngineInfo, Heartbeat, Ready,
                               Rejected, Shutdown, StartupFailed, StepOutputs, StopSequences, to_wire)
 
@@ -117,13 +115,10 @@ class EngineLoop:
     def __init__(self, engine, commands, events, codec: Codec, timeline=None):
         self.engine, self.commands, self.events, self.codec = engine, commands, events, codec
         self.step = timeline.step_recorder(engine) if timeline is not None else engine.step
-        self.timeline = timeline
         self._outputs: list = []
         self._stop = False
         self._poller = zmq.Poller()
         self._poller.register(commands, zmq.POLLIN)
-        wait_ms = getattr(engine.config, "admission_wait_ms", 0.0)
-        self.window = AdmissionWindow(wait_ms / 1e3) if wait_ms > 0 else None
 
     def run(self) -> int:
         last_sent = time.monotonic()
@@ -137,34 +132,11 @@ class EngineLoop:
             if self.engine.has_unfinished_requests() and not self._stop:
                 if not self._run_step():
                     return 1
-                if self.window is not None:
-                    self.window.observe(self.engine)
             if self._outputs:
-                finished = sum(out.finished for out in self._outputs)
                 self._send(StepOutputs([to_wire(out) for out in self._outputs], self.engine.stats()))
                 self._outputs.clear()
                 last_sent = time.monotonic()
-                if self.window is not None and self.window.should_open(self.engine, finished):
-                    self._wait_for_requests(self.window, finished)
         return 0
-
-    def _wait_for_requests(self, window: AdmissionWindow, slots: int) -> None:
-        """Take commands until the window's deadline (see ``admission``) or until ``slots`` requests arrived
-        (the finished requests' successors)."""
-        deadline = window.deadline()
-        if deadline is None:
-            return
-        window.opened += 1
-        arrived, opened = 0, time.perf_counter()
-        while not self._stop and arrived < slots and (remaining := deadline - time.perf_counter()) > 0:
-            if self._poller.poll(remaining * 1e3):
-                waiting = len(self.engine.scheduler.waiting)
-                self._take_commands()
-                arrived += max(0, len(self.engine.scheduler.waiting) - waiting)
-        window.admitted += min(arrived, slots)
-        if self.timeline is not None:
-            self.timeline.emit("window", t=time.monotonic(), ms=round((time.perf_counter() - opened) * 1e3, 3),
-                               slots=slots, arrived=arrived)
 
     def _run_step(self) -> bool:
         try:

@@ -36,9 +36,6 @@ DEFAULT_PREFILL_TOKENS = 512
 # 22:18, bench/probes/prefill_budget.py, 8B c64 128/128: 82.7% -> 84.7% of the engine's batch-64 decode, ITL p99
 # 18.0 -> 9.7 ms, TTFT p99 231-253 -> 325-363 ms)
 DEFAULT_BUSY_PREFILL_TOKENS = 128
-# after a step that finished a request, how long at most the engine process waits for the next request while the
-# device runs the step in flight (serve/admission.py); off until measured on a GPU
-DEFAULT_ADMISSION_WAIT_MS = 0.0
 
 
 class ServeSettings(BaseModel):
@@ -73,11 +70,6 @@ class ServeSettings(BaseModel):
         DEFAULT_BUSY_PREFILL_TOKENS, ge=0, description="most prompt tokens per engine step once at least half of --max_batch_size sequences "
         "decode in it: a small chunk next to many decodes rides on the weights they stream anyway; "
         "0: --max_num_prefill_tokens in every step")
-    admission_wait_ms: float = Field(
-        DEFAULT_ADMISSION_WAIT_MS, ge=0, le=1000, description="after a step that finished a request, the engine "
-        "process waits at most this many ms for the next request, and only while the device still runs the step "
-        "in flight, so that a client's next request joins the next step instead of the one after it (the engine in its "
-        "own process, --engine_process); 0: off")
     warm_up: bool | None = Field(None, description="before saying ready, run requests through the engine that meet "
                                  "every sampler path and GEMM row bucket (nothing compiles at request time); "
                                  "default: on for CUDA")
@@ -243,7 +235,6 @@ def engine_config(settings: ServeSettings):
     return EngineConfig(enable_prefix_caching=settings.enable_prefix_caching,
                         max_num_prefill_tokens=settings.max_num_prefill_tokens or None,
                         busy_prefill_tokens=settings.busy_prefill_tokens or None,
-                        admission_wait_ms=settings.admission_wait_ms,
                         grammar_compile_timeout=settings.limits.grammar_compile_timeout)
 
 
@@ -285,8 +276,6 @@ def startup_report(model, engine, settings: ServeSettings, url: str, seconds: fl
         *([f"state cache  {model.pool.state.capacity().describe()}"] if model.num_state_slots else []),
         f"batching     max {engine.scheduler.max_batch_size} sequences, {engine.max_num_tokens} tokens per step "
         f"({prompt_budget_words(engine.scheduler)}); "
-        + (f"admission window {engine.config.admission_wait_ms:g} ms (engine process); "
-           if engine.config.admission_wait_ms else "") +
         f"prefix caching {'on' if engine.blocks.enable_prefix_caching else 'off'}"
         + (" (the model has recurrent state)" if model.num_state_slots else ""),
         f"CUDA graphs  {cuda_graph_line(model.cuda_graphs, model.piecewise, model.mixed_graphs)}",

@@ -1,6 +1,5 @@
 """Which per-step prompt-token budget (``autodeploy serve --max_num_prefill_tokens`` and
-``--busy_prefill_tokens``), with or without the admission window (``--admission_wait_ms``, after ``@``),
-serves 128/128 at c64 best?
+``--busy_prefill_tokens``) serves 128/128 at c64 best?
 
 For each budget: a fresh server (the serving section's flags, random 8B-shape weights), two closed-loop runs of
 ``--per-slot`` x c requests, one c1 run; a row each with output tok/s, TTFT and ITL percentiles, and the engine
@@ -33,11 +32,6 @@ def step_summary(timeline: Path) -> str:
             parts.append(f"{kind} {len(rows)} x p50 {statistics.median(s['ms'] for s in rows):.2f} ms "
                          f"({decoding:.1f} decoding, {statistics.mean(s['tokens'] for s in rows):.0f} tokens, "
                          f"{sum(s['ms'] for s in rows) / 1e3:.2f} s)")
-    windows = [e for e in events if e.get("event") == "window"]
-    if windows:
-        parts.append(f"admission windows {len(windows)} (p50 {statistics.median(w['ms'] for w in windows):.2f} ms), "
-                     f"{sum(w['arrived'] for w in windows)} requests arrived in them for {sum(w['slots'] for w in windows)} "
-                     "free slots")
     return "; ".join(parts)
 
 
@@ -45,8 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--budgets", default="512,128,512/128",
-                        help="each --max_num_prefill_tokens, or MAX/BUSY for --busy_prefill_tokens too; a suffix "
-                        "@MS sets --admission_wait_ms")
+                        help="each --max_num_prefill_tokens, or MAX/BUSY for --busy_prefill_tokens too")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--per-slot", type=int, default=8)
     parser.add_argument("--engine", action="store_true", help="also time the engine's own decode step at batch c")
@@ -63,13 +56,11 @@ def main() -> None:
 
         load = Loads(plan, cfg.vocab_size, load_tokenizer(model_dir))
         for budget in args.budgets.split(","):
-            tokens, _, wait_ms = budget.partition("@")
-            most, _, busy = tokens.partition("/")
+            most, _, busy = budget.partition("/")
             options = server_options(plan.top, 1200, {}) + ["--num_kv_blocks", str(KV_BLOCKS),
                                                            "--max_num_prefill_tokens", most]
             options += ["--busy_prefill_tokens", busy] if busy else []
-            options += ["--admission_wait_ms", wait_ms] if wait_ms else []
-            timeline = out / f"timeline_{budget.replace('/', '_').replace('@', '_at_')}.jsonl"
+            timeline = out / f"timeline_{budget.replace('/', '_')}.jsonl"
             with running_server(model_dir, options, timeline) as url:
                 runs = [load.run(url, "fresh", f"c{plan.top} #{i}", plan.top) for i in (1, 2)]
                 runs.append(load.run(url, "fresh", "c1", 1, num=8))
