@@ -1,5 +1,6 @@
 """Which per-step prompt-token budget (``autodeploy serve --max_num_prefill_tokens`` and
-``--busy_prefill_tokens``) serves 128/128 at c64 best?
+``--busy_prefill_tokens``) serves 128/128 at c64 best? (The timeline's mean running and waiting sequences say
+how many slots the runs left empty while prompts queued behind the budget: 2026-12-08, the spread between runs.)
 
 For each budget: a fresh server (the serving section's flags, random 8B-shape weights), two closed-loop runs of
 ``--per-slot`` x c requests, one c1 run; a row each with output tok/s, TTFT and ITL percentiles, and the engine
@@ -32,6 +33,10 @@ def step_summary(timeline: Path) -> str:
             parts.append(f"{kind} {len(rows)} x p50 {statistics.median(s['ms'] for s in rows):.2f} ms "
                          f"({decoding:.1f} decoding, {statistics.mean(s['tokens'] for s in rows):.0f} tokens, "
                          f"{sum(s['ms'] for s in rows) / 1e3:.2f} s)")
+    busy = [s for s in steps if s["seqs"] > 8]  # the c64 runs' steps: how full the batch was, how many queued
+    if busy:
+        parts.append(f"steps of more than 8 sequences: {statistics.mean(s['running'] for s in busy):.1f} running, "
+                     f"{statistics.mean(s['waiting'] for s in busy):.2f} waiting on average")
     return "; ".join(parts)
 
 
