@@ -1,7 +1,10 @@
 """FP8 on real weights: the demo model (SmolLM2-135M-Instruct), bf16 against online FP8 on the
 held-out text of ``bench/probes/quant_quality.py`` (503 tokens, CPU, bf16). docs/quantization.md has the
 whole table (every format) and why near-ties are counted apart: measured 0.9165 overall, 0.9804
-outside near-ties, perplexity 34.08 against bf16's 33.54."""
+outside near-ties, perplexity 34.08 against bf16's 33.54 with torch's AVX2 CPU kernels; 0.9046, 0.9806, 34.80
+against 33.42 with its AVX512 ones (``ATEN_CPU_CAPABILITY``, 2026-12-08: the same code on a host with AVX512: the
+vectorized exp / rsqrt of the bf16 parts differ by an ulp here and there, and the FP8 activation rounding turns a
+few of those into the next e4m3 code)."""
 
 import sys
 from pathlib import Path
@@ -33,4 +36,6 @@ def test_online_fp8_agrees_with_bf16_on_the_demo_model():
     quality = quant_quality.compare("online fp8", fp8, bf16, tokens, 0.0)
     assert quality.confident_agreement >= 0.97, quality
     assert quality.top1_agreement >= 0.90, quality  # near-ties included (bf16 itself agrees with fp32 at 0.976)
-    assert quality.perplexity <= 1.03 * quant_quality.perplexity(bf16, tokens), quality
+    # within 5% of bf16: 1.6% (AVX2 kernels) to 4.1% (AVX512) measured; a lost scale or a wrong rounding costs far
+    # more (NVFP4's 4-bit weights: +20%)
+    assert quality.perplexity <= 1.05 * quant_quality.perplexity(bf16, tokens), quality
