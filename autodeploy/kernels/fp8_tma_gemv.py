@@ -1,8 +1,8 @@
-"""One-row FP8 weight-only GEMV whose weight tiles arrive by TMA through a multi-stage pipeline (an experiment).
+"""One-row FP8 weight-only GEMV whose weight tiles arrive by TMA through a multi-stage pipeline (opt-in).
 
 ``out[N] = x[K] @ (W[N, K] * scale).T (+ bias)`` for one row of x (bf16/fp16/fp32) and an e4m3 weight with
 a per-tensor or per-channel fp32 scale, products accumulated in fp32: what ``quant_gemv.fp8_gemv``
-computes at batch 1. Not dispatched by anything: ``bench/probes/quant_kernels.py`` times it
+computes at batch 1 (which sends such rows here where asked: below). ``bench/probes/quant_kernels.py`` times it
 (``fp8_gemv tma channel``) against ``fp8_gemv channel`` and the bf16 GEMV.
 
 Why: the CUDA-core FP8 GEMV streams its weights at ~65-80% of the copy bandwidth, and past measurements
@@ -13,9 +13,15 @@ tiles in flight on mbarriers, in S - 1 buffers), so the bytes in flight cost sha
 ``(S - 1) * BLOCK_N * BLOCK_K`` bytes per program (and S - 1 slices of x by cp.async, where a thread's share
 of a slice is 4 bytes or more: bf16 at 256). While every program of a launch is resident (N / BLOCK_N
 programs over 132 SMs: 2-3 per SM for the 8B shapes' N of 4096-6144), the bytes in flight per SM are
-``N * (S - 1) * BLOCK_K / 132`` whatever ``BLOCK_N`` is: ``TmaGemvLaunch.choose`` picks S for ~64 KB per SM.
-sm_90 (``tests/kernels/compile_sm90.py --only fp8_tma_gemv``): 40 registers at 16 x 256, 32 KB of shared
-memory at 8 stages, ~5.6 SASS instructions per weight byte (per thread) in the loop.
+``N * (S - 1) * BLOCK_K / 132`` whatever ``BLOCK_N`` is. sm_90 (``tests/kernels/compile_sm90.py --only
+fp8_tma_gemv``): 40 registers at 16 x 256, 32 KB of shared memory at 8 stages, ~5.6 SASS instructions per weight
+byte (per thread) in the loop.
+
+Measured (H100, 2026-12-08, docs/perf.md): at the copy rate only where a launch keeps many programs per SM for long
+(an LM-head shape 99%, gate_up 87% against the GEMV's 81%, qkv 71% against 66%); on o and down (4,096 features:
+2-3 programs per SM, 5-25 µs) one launch's ramp and tail dominate and the CUDA-core GEMV is as fast. So
+``quant_gemv.fp8_gemv`` sends a row here only from ``MIN_FEATURES`` features, and only where
+``AUTODEPLOY_FP8_TMA_GEMV=1`` asks (off until the engine's step is measured with it).
 
 Each program computes ``BLOCK_N`` features over the whole K (no split, no reduction kernel), as the other
 GEMVs: products ``FOLD`` adjacent lanes summed in the thread into an fp32 accumulator [BLOCK_N,
@@ -54,8 +60,10 @@ from .gemv import unit_stride
 WHAT = "fp8_tma_gemv"
 FOLD = 4  # adjacent products summed in the thread: 16 x 256 on 4 warps keeps 8 accumulator registers
 MAX_BOX = 256  # TMA: at most 256 elements per box dimension
-SMS = 132  # H100 / H200 SXM: the SMs choose() spreads the weight's rows over
-IN_FLIGHT_PER_SM = 64 * 1024  # the weight bytes choose() aims to have in flight per SM
+# the weights the GEMV dispatch (quant_gemv.fp8_gemv, AUTODEPLOY_FP8_TMA_GEMV=1) sends here: on the H100 the TMA
+# kernel won from qkv's 6,144 features (2-3 programs per SM and a short launch: o's and down's 4,096 lost or tied)
+MIN_FEATURES = 6144
+WIDE_FEATURES = 16384  # from here 8 features a program (gate_up 28,672)
 
 
 @dataclass(frozen=True)
@@ -70,15 +78,15 @@ class TmaGemvLaunch:
 
     @classmethod
     def choose(cls, n: int, k: int) -> TmaGemvLaunch:
-        """16 x 256 on 4 warps; stages for ``IN_FLIGHT_PER_SM`` while all programs are resident (module doc),
-        4 to 8 (8: 32 KB of shared memory per program, 6 per SM), no more than the K tiles need: the 8B
-        shapes' o and down 8, qkv 7, gate_up and the LM head 4 (12 programs per SM by registers, 144 KB).
-        ``AUTODEPLOY_FP8_TMA_TILE="block_n,block_k,warps,stages"`` replaces it (a measurement knob)."""
+        """The best tiles of the H100 sweep (2026-12-08, ``bench/probes/quant_kernels.py --sweep``, docs/perf.md):
+        8 x 256 bytes, 4 stages from ``WIDE_FEATURES`` features (gate_up 44.4 µs, 87% of the copy rate, against
+        the GEMV's 47.9), 16 x 256, 4 stages below (qkv 11.6 against 12.5); 4 warps. Short K: the stages the K
+        boxes need. ``AUTODEPLOY_FP8_TMA_TILE="block_n,block_k,warps,stages"`` replaces it (a measurement knob)."""
         if TMA_TILE is not None:
             return cls(*TMA_TILE)
-        block_n, block_k = min(16, triton.next_power_of_2(max(n, 1))), min(256, max(16, triton.next_power_of_2(k)))
-        stages = triton.cdiv(IN_FLIGHT_PER_SM * SMS, max(n, 1) * block_k) + 1
-        return cls(block_n, block_k, 4, max(2, min(max(stages, 4), 8, triton.cdiv(k, block_k) + 1)))
+        block_n = 8 if n >= WIDE_FEATURES else min(16, triton.next_power_of_2(max(n, 1)))
+        block_k = min(MAX_BOX, max(16, triton.next_power_of_2(k)))
+        return cls(block_n, block_k, 4, max(2, min(4, triton.cdiv(k, block_k) + 1)))
 
     def check(self) -> None:
         if not (_pow2(self.block_n) and _pow2(self.block_k) and self.block_n <= MAX_BOX
@@ -158,6 +166,20 @@ def fp8_tma_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.
         _launch(unit_stride(row), weight_fp8.view(torch.uint8), weight_scale.reshape(-1), stride_s, bias, out,
                 launch)
     return out.view(*x.shape[:-1], n)
+
+
+def takes(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=None) -> bool:
+    """Whether the dispatch sends this weight's one-row GEMV here: ``MIN_FEATURES`` features or more, a
+    per-tensor or per-channel scale, and what TMA needs (``_check_tma``)."""
+    if block_size is not None or weight.dim() != 2 or weight.shape[0] < MIN_FEATURES:
+        return False
+    if weight_scale.numel() not in (1, weight.shape[0]):
+        return False
+    try:
+        _check_tma(weight)
+    except ValueError:
+        return False
+    return True
 
 
 def _scale_stride(weight: torch.Tensor, weight_scale: torch.Tensor) -> int:

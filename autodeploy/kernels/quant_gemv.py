@@ -234,6 +234,9 @@ FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
 # on a word keep the byte kernel below): the 8B shape's batch-1 linears 3.355 -> 2.327 ms (H100, 2026-12-07 22:24,
 # bench/probes/quant_kernels.py, same run). AUTODEPLOY_NVFP4_WORD_GEMV=0 keeps the byte kernel
 NVFP4_WORD_GEMV = os.environ.get("AUTODEPLOY_NVFP4_WORD_GEMV", "1") != "0"
+# AUTODEPLOY_FP8_TMA_GEMV=1: one row of a wide FP8 weight (qkv, gate_up) takes fp8_tma_gemv.py's TMA-pipelined
+# kernel (H100, 2026-12-08: gate_up 47.9 -> 44.4 µs, qkv 12.5 -> 11.6; off until the engine step is measured with it)
+FP8_TMA_GEMV = os.environ.get("AUTODEPLOY_FP8_TMA_GEMV", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,11 @@ def fp8_prologue_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: t
     scales = ScaleLayout.fp8(weight_fp8, weight_scale, block_size, "fp8_gemv")
     n, k = weight_fp8.shape
     rows = _rows(x, operand_columns(k, prologue.kind), bias, n, "fp8_gemv")
+    if FP8_TMA_GEMV and rows.shape[0] == 1 and launch is None and prologue.kind == Prologue.NONE:
+        from . import fp8_tma_gemv as tma  # (opt-in: its import chain is the FP8 GEMM's)
+
+        if tma.takes(weight_fp8, weight_scale, block_size):
+            return tma.fp8_tma_gemv(x, weight_fp8, weight_scale, bias), None
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
     launch.check(rows.shape[0], "fp8_gemv")

@@ -13,9 +13,9 @@ codes and scales), the activation quantization included where the op quantizes (
   word kernel of ``kernels/nvfp4_gemv.py``) / ``nvfp4_gemv bytes`` (the byte kernel it replaced at one row,
   ``AUTODEPLOY_NVFP4_WORD_GEMV=0``: the A/B pair) and
   ``fp8 weight-only channel`` / ``block128`` (the same on the tensor cores, M <= 512);
-- ``fp8_gemv tma channel`` (one row only): ``kernels/fp8_tma_gemv.py``, an experiment not dispatched by the
-  runtime: the weight tiles brought into shared memory by TMA through a multi-stage pipeline (with ``--sweep``
-  over ``FP8_TMA_SWEEP``; ``AUTODEPLOY_FP8_TMA_TILE`` replaces its default tile);
+- ``fp8_gemv tma channel`` (one row only): ``kernels/fp8_tma_gemv.py``, the weight tiles brought into shared
+  memory by TMA through a multi-stage pipeline (opt-in in the runtime: ``AUTODEPLOY_FP8_TMA_GEMV=1``; with
+  ``--sweep`` over ``FP8_TMA_SWEEP``; ``AUTODEPLOY_FP8_TMA_TILE`` replaces its default tile);
 - ``scaled_mm tensor`` (static per-tensor input and weight scales, cuBLASLt) and ``scaled_mm
   rowwise`` (per-channel weight, dynamic per-token input) through ``fp8_gemm(backend="scaled_mm")``;
   ``fp8_gemm triton rowwise`` (M >= 8), the same on the Triton GEMM;

@@ -217,11 +217,10 @@ def _small_m_variants():
 
 
 def _fp8_tma_gemv_variants():
-    """The one-row FP8 GEMV on TMA (``fp8_tma_gemv.py``: an experiment, not dispatched) as ``fp8_tma_gemv``
+    """The one-row FP8 GEMV on TMA (``fp8_tma_gemv.py``, opt-in: ``AUTODEPLOY_FP8_TMA_GEMV=1``) as ``fp8_tma_gemv``
     launches it on bf16 with per-channel scales (stride 1: the JIT makes it a constant) under PDL: the tiles
     ``TmaGemvLaunch.choose`` picks at the 8B shapes, then some of the probe's sweep candidates."""
-    chosen = {tg.TmaGemvLaunch.choose(n, k): label for label, n, k in (("o, down", 4096, 4096), ("qkv", 6144, 4096),
-                                                                        ("gate_up, lm_head", 28672, 4096))}
+    chosen = {tg.TmaGemvLaunch.choose(n, k): label for label, n, k in (("qkv", 6144, 4096), ("gate_up", 28672, 4096))}
     others = (tg.TmaGemvLaunch(8, 256, 4, 8), tg.TmaGemvLaunch(32, 128, 4, 6), tg.TmaGemvLaunch(16, 128, 4, 8),
               tg.TmaGemvLaunch(32, 256, 4, 4))
     for launch, label in [*chosen.items(), *((launch, "sweep") for launch in others if launch not in chosen)]:

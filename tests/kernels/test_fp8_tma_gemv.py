@@ -4,6 +4,8 @@ and fp16: the interpreter reads a tensor descriptor's boxes as masked loads, zer
 Its sm_90 code (TMA boxes, pipeline, registers, shared memory) is ``compile_sm90.py --only fp8_tma_gemv``; its
 speed ``bench/probes/quant_kernels.py`` (``fp8_gemv tma channel``)."""
 
+import os
+
 import pytest
 import torch
 
@@ -69,11 +71,9 @@ def test_leading_dimensions_a_padded_row_stride_and_no_features():
     assert fp8_tma_gemv(torch.randn(32), weight[:0, :32], scale).shape == (0,)  # no features, no program
 
 
-def test_default_launches_keep_64_kb_in_flight_per_sm_where_the_shapes_allow():
-    # N * (stages - 1) * block_k / 132 bytes per SM while every program is resident (module doc)
-    assert TmaGemvLaunch.choose(4096, 4096) == TmaGemvLaunch(16, 256, 4, 8)  # o, down: 56 KB (8 at most)
-    assert TmaGemvLaunch.choose(6144, 4096) == TmaGemvLaunch(16, 256, 4, 7)  # qkv: 72 KB
-    assert TmaGemvLaunch.choose(28672, 4096) == TmaGemvLaunch(16, 256, 4, 4)  # gate_up: programs fill the SMs
+def test_default_launches_are_the_h100_sweeps_best_tiles():
+    assert TmaGemvLaunch.choose(28672, 4096) == TmaGemvLaunch(8, 256, 4, 4)  # gate_up
+    assert TmaGemvLaunch.choose(6144, 4096) == TmaGemvLaunch(16, 256, 4, 4)  # qkv
     assert TmaGemvLaunch.choose(40, 208) == TmaGemvLaunch(16, 256, 4, 2)  # one K box: one in flight
     assert TmaGemvLaunch.choose(5, 4096).block_n == 8
     assert tma.prefetch_bytes(TmaGemvLaunch(16, 256, 4, 8)) == 1024  # 7 boxes of 256: rounded down to 4
@@ -121,3 +121,46 @@ def test_fp8_tma_gemv_refuses_bad_inputs_naming_itself(bad, message):
     with pytest.raises(ValueError, match=message) as raised:
         fp8_tma_gemv(args["x"], args["weight"], args["scale"], args["bias"], launch=args["launch"])
     assert "fp8_tma_gemv" in str(raised.value)
+
+
+@pytest.fixture
+def tma_dispatch(monkeypatch):
+    """``AUTODEPLOY_FP8_TMA_GEMV=1`` with the feature threshold lowered to the tests' sizes; records the calls."""
+    from autodeploy.kernels import quant_gemv
+
+    calls = []
+    original = tma.fp8_tma_gemv
+    monkeypatch.setattr(quant_gemv, "FP8_TMA_GEMV", True)
+    monkeypatch.setattr(tma, "MIN_FEATURES", 32)
+    monkeypatch.setattr(tma, "fp8_tma_gemv", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel"])
+def test_the_gemv_sends_one_row_of_a_wide_weight_here_where_asked(tma_dispatch, kind):
+    from autodeploy.kernels.quant_gemv import fp8_gemv
+
+    weight, scale, x, bias = fp8_weight(40, 208), fp8_scale(kind, 40), torch.randn(1, 208), torch.randn(40)
+    got = fp8_gemv(x, weight, scale, bias=bias)
+    assert tma_dispatch == [(40, 208)]
+    assert rel_err(got, ref.fp8_weight_only_reference(x, weight, scale, bias=bias)) < 1e-5
+
+
+def test_the_gemv_keeps_what_the_tma_kernel_does_not_take(tma_dispatch):
+    from autodeploy.kernels.gemv import GemvPrologue, Prologue
+    from autodeploy.kernels.quant_gemv import fp8_gemv, fp8_prologue_gemv
+
+    weight, scale = fp8_weight(40, 208), fp8_scale("channel", 40)
+    fp8_gemv(torch.randn(2, 208), weight, scale)  # two rows
+    fp8_gemv(torch.randn(1, 208), fp8_weight(24, 208), fp8_scale("channel", 24))  # narrower than MIN_FEATURES
+    fp8_gemv(torch.randn(1, 208), weight, torch.rand(5, 2) + 0.01, block_size=(8, 128))  # block scales
+    fp8_gemv(torch.randn(1, 200), fp8_weight(40, 216)[:, :200], scale)  # a row stride TMA cannot take (200 B)
+    norm = GemvPrologue(Prologue.RMS_NORM, norm_weight=torch.rand(208) + 0.5, eps=1e-6)
+    fp8_prologue_gemv(torch.randn(1, 208), weight, scale, prologue=norm)  # a folded prologue
+    assert tma_dispatch == []
+
+
+def test_off_by_default():
+    from autodeploy.kernels import quant_gemv
+
+    assert quant_gemv.FP8_TMA_GEMV is (os.environ.get("AUTODEPLOY_FP8_TMA_GEMV") == "1")
