@@ -44,7 +44,6 @@ after the wait, and the next kernel may launch right after it (``Trigger.AFTER_W
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +55,7 @@ from . import pdl
 from . import quant_reference as ref
 from .fp8_small_m import _prefetch_l2
 from .gemv import unit_stride
+from .quant_gemv import tile_from_env
 
 WHAT = "fp8_tma_gemv"
 FOLD = 4  # adjacent products summed in the thread: 16 x 256 on 4 warps keeps 8 accumulator registers
@@ -101,18 +101,7 @@ def _pow2(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
-    """``AUTODEPLOY_FP8_TMA_TILE``'s four integers, or None where unset."""
-    if not value:
-        return None
-    try:
-        block_n, block_k, warps, stages = (int(v) for v in value.split(","))
-    except ValueError:
-        raise ValueError(f"AUTODEPLOY_FP8_TMA_TILE={value!r}: expected block_n,block_k,num_warps,num_stages") from None
-    return block_n, block_k, warps, stages
-
-
-TMA_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_TMA_TILE"))
+TMA_TILE = tile_from_env("AUTODEPLOY_FP8_TMA_TILE", "block_n,block_k,num_warps,num_stages")
 
 
 @triton.jit

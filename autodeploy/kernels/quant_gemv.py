@@ -218,18 +218,22 @@ class QuantGemvLaunch:
             raise ValueError(f"{what}: fold {self.fold} is for one row, got {rows}")
 
 
-def _tile_from_env(value: str | None) -> tuple[int, int, int, int] | None:
-    """``AUTODEPLOY_FP8_GEMV_TILE``'s four integers, or None where unset."""
+def tile_from_env(variable: str, fields: str, value: str | None = None) -> tuple[int, ...] | None:
+    """A tile knob's integers (``fields`` names them: "block_n,block_b,num_warps,fold"), from ``value`` or else the
+    environment variable; None where unset (the GEMV's ``AUTODEPLOY_FP8_GEMV_TILE``, the TMA GEMV's)."""
+    value = os.environ.get(variable) if value is None else value
     if not value:
         return None
     try:
-        block_n, block_b, warps, fold = (int(v) for v in value.split(","))
+        numbers = tuple(int(v) for v in value.split(","))
     except ValueError:
-        raise ValueError(f"AUTODEPLOY_FP8_GEMV_TILE={value!r}: expected block_n,block_b,num_warps,fold") from None
-    return block_n, block_b, warps, fold
+        numbers = ()
+    if len(numbers) != len(fields.split(",")):
+        raise ValueError(f"{variable}={value!r}: expected {fields}")
+    return numbers
 
 
-FP8_GEMV_TILE = _tile_from_env(os.environ.get("AUTODEPLOY_FP8_GEMV_TILE"))
+FP8_GEMV_TILE = tile_from_env("AUTODEPLOY_FP8_GEMV_TILE", "block_n,block_b,num_warps,fold")
 # one row of NVFP4 takes nvfp4_gemv.py's kernel (bytes read as words, no layout conversion; rows that do not start
 # on a word keep the byte kernel below): the 8B shape's batch-1 linears 3.355 -> 2.327 ms (H100, 2026-12-07 22:24,
 # bench/probes/quant_kernels.py, same run). AUTODEPLOY_NVFP4_WORD_GEMV=0 keeps the byte kernel

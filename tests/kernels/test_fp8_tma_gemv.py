@@ -81,11 +81,11 @@ def test_default_launches_are_the_h100_sweeps_best_tiles():
 
 
 def test_a_tile_from_the_environment_replaces_the_default(monkeypatch):
-    monkeypatch.setattr(tma, "TMA_TILE", tma._tile_from_env("32,128,8,6"))
+    monkeypatch.setattr(tma, "TMA_TILE", tma.tile_from_env("T", "block_n,block_k,num_warps,num_stages", "32,128,8,6"))
     assert TmaGemvLaunch.choose(4096, 4096) == TmaGemvLaunch(32, 128, 8, 6)
     for bad in ("16,256,4", "16,256,4,4,1", "a,b,c,d"):
         with pytest.raises(ValueError, match="expected block_n,block_k,num_warps,num_stages"):
-            tma._tile_from_env(bad)
+            tma.tile_from_env("T", "block_n,block_k,num_warps,num_stages", bad)
 
 
 def _misaligned_weight(n=8, k=32):

@@ -99,14 +99,14 @@ def test_fp8_gemv_with_folded_lanes_matches_the_reference(kind, dtype):
 def test_a_tile_from_the_environment_replaces_fp8s_one_row_tile(monkeypatch):
     from autodeploy.kernels import quant_gemv
 
-    monkeypatch.setattr(quant_gemv, "FP8_GEMV_TILE", quant_gemv._tile_from_env("1,4096,4,16"))
+    monkeypatch.setattr(quant_gemv, "FP8_GEMV_TILE", quant_gemv.tile_from_env("AUTODEPLOY_FP8_GEMV_TILE", "block_n,block_b,num_warps,fold", "1,4096,4,16"))
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096) == QuantGemvLaunch(1, 4096, 4, fold=16)
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 40) == QuantGemvLaunch(1, 64, 4, fold=16)  # a short row
     assert QuantGemvLaunch.choose(WeightFormat.FP8, 4096, rows=4) == QuantGemvLaunch(16, 128)  # one row only
     assert QuantGemvLaunch.choose(WeightFormat.NVFP4, 2048) == QuantGemvLaunch(4, 1024, 2)
     for bad in ("4,1024", "4,1024,4,1,6", "a,b,c,d"):
         with pytest.raises(ValueError, match="expected block_n,block_b,num_warps,fold"):
-            quant_gemv._tile_from_env(bad)
+            quant_gemv.tile_from_env("AUTODEPLOY_FP8_GEMV_TILE", "block_n,block_b,num_warps,fold", bad)
 
 
 @LAUNCHES
