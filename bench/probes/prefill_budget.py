@@ -37,6 +37,11 @@ def step_summary(timeline: Path) -> str:
     if busy:
         parts.append(f"steps of more than 8 sequences: {statistics.mean(s['running'] for s in busy):.1f} running, "
                      f"{statistics.mean(s['waiting'] for s in busy):.2f} waiting on average")
+    loops = [e for e in events if e.get("event") == "loop" and e["streams"] >= 32]  # the API process under c64
+    if loops:  # what set the spread between runs on 2026-12-08 (docs/perf.md)
+        parts.append(f"API process with 32+ streams: event-loop lag {statistics.mean(e['lag_mean_ms'] for e in loops):.2f} "
+                     f"ms mean, GC {statistics.mean(e['gc_ms'] for e in loops):.1f} ms/s, SSE send "
+                     f"{statistics.mean(e['sse_send_ms'] for e in loops):.0f} ms/s")
     return "; ".join(parts)
 
 
