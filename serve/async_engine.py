@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -25,9 +26,15 @@ from typing import AsyncIterator, Callable, Sequence
 from autodeploy.sampling_params import SamplingParams, StructuredOutput
 
 from .engine import Engine, EngineStats
-from .outputs import RequestOutput
+from .outputs import OutputAccumulator, RequestOutput
 
 log = logging.getLogger("autodeploy.serve.async_engine")
+
+# AUTODEPLOY_COALESCE_STREAMS=1: a stream whose reader fell behind takes the deltas queued for it as one (as vLLM's
+# output collector merges what its consumer has not read), so a late event loop writes fewer SSE events instead of
+# falling further behind. On the H100 (2026-12-08) the c64 runs whose API process lagged more lost throughput, ~2
+# points of the engine's a ms of mean lag (docs/perf.md); off until the serving benchmark is run with it
+COALESCE_STREAMS = os.environ.get("AUTODEPLOY_COALESCE_STREAMS", "0") == "1"
 
 
 class EngineDeadError(RuntimeError):
@@ -112,10 +119,13 @@ class EngineFrontEnd:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._submit(request_id, tuple(prompt_token_ids), params, arrival_time)
-        finished = False
+        finished, behind = False, None
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = behind if behind is not None else await stream.queue.get()
+                behind = None
+                if COALESCE_STREAMS and isinstance(item, RequestOutput):
+                    item, behind = coalesce(item, stream.queue)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -268,6 +278,22 @@ class AsyncEngine(EngineFrontEnd):
             log.exception("request %s could not be added", command.request_id)
             self.engine.abort_request(command.request_id)
             self._deliver(command.request_id, RequestFailedError(f"the request could not be added: {exc!r}"))
+
+
+def coalesce(first: RequestOutput, waiting: asyncio.Queue) -> tuple[RequestOutput, object | None]:
+    """``first`` and the deltas queued behind it as one delta (text, tokens and logprobs joined, the last
+    finish state), up to the first item that cannot join: an exception, or a report of an error (returned
+    second, to be taken next)."""
+    if first.finished or first.error is not None or waiting.empty():
+        return first, None
+    merged = OutputAccumulator(first.request_id)
+    merged.add(first)
+    while not merged.finished and not waiting.empty():
+        item = waiting.get_nowait()
+        if not isinstance(item, RequestOutput) or item.error is not None:
+            return merged.result(), item
+        merged.add(item)
+    return merged.result(), None
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
