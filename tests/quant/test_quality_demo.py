@@ -2,9 +2,9 @@
 held-out text of ``bench/probes/quant_quality.py`` (503 tokens, CPU, bf16). docs/quantization.md has the
 whole table (every format) and why near-ties are counted apart: measured 0.9165 overall, 0.9804
 outside near-ties, perplexity 34.08 against bf16's 33.54 with torch's AVX2 CPU kernels; 0.9046, 0.9806, 34.80
-against 33.42 with its AVX512 ones (``ATEN_CPU_CAPABILITY``, 2026-12-08: the same code on a host with AVX512: the
-vectorized exp / rsqrt of the bf16 parts differ by an ulp here and there, and the FP8 activation rounding turns a
-few of those into the next e4m3 code)."""
+against 33.42 with its AVX512 ones (``ATEN_CPU_CAPABILITY``, 2026-12-08: the same code on a host with AVX512; not
+traced further, presumably ulp-level differences of vectorized math in the bf16 parts that the FP8 activation
+rounding moves to the next e4m3 code)."""
 
 import sys
 from pathlib import Path
