@@ -55,7 +55,7 @@ from . import pdl
 from . import quant_reference as ref
 from .fp8_small_m import _prefetch_l2
 from .gemv import unit_stride
-from .quant_gemv import tile_from_env
+from .quant_gemv import ScaleLayout, tile_from_env
 
 WHAT = "fp8_tma_gemv"
 FOLD = 4  # adjacent products summed in the thread: 16 x 256 on 4 warps keeps 8 accumulator registers
@@ -147,7 +147,8 @@ def fp8_tma_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.
     row = x.reshape(-1, k)
     if row.shape[0] != 1:
         raise ValueError(f"{WHAT} takes exactly one row, got {row.shape[0]} (x of shape {tuple(x.shape)})")
-    _check_tma(weight_fp8)
+    if (problem := _tma_problem(weight_fp8)) is not None:
+        raise ValueError(f"{WHAT}: {problem}")
     launch = launch or TmaGemvLaunch.choose(n, k)
     launch.check()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
@@ -157,38 +158,30 @@ def fp8_tma_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.
     return out.view(*x.shape[:-1], n)
 
 
-def takes(weight: torch.Tensor, weight_scale: torch.Tensor, block_size=None) -> bool:
-    """Whether the dispatch sends this weight's one-row GEMV here: ``MIN_FEATURES`` features or more, a
-    per-tensor or per-channel scale, and what TMA needs (``_check_tma``)."""
-    if block_size is not None or weight.dim() != 2 or weight.shape[0] < MIN_FEATURES:
-        return False
-    if weight_scale.numel() not in (1, weight.shape[0]):
-        return False
-    try:
-        _check_tma(weight)
-    except ValueError:
-        return False
-    return True
+def takes(weight: torch.Tensor, scales: ScaleLayout) -> bool:
+    """Whether the dispatch sends this weight's one-row GEMV here (``scales``: the layout ``fp8_gemv`` read):
+    ``MIN_FEATURES`` features or more, a per-tensor or per-channel scale, and what TMA needs."""
+    return not scales.block_scaled and weight.shape[0] >= MIN_FEATURES and _tma_problem(weight) is None
 
 
 def _scale_stride(weight: torch.Tensor, weight_scale: torch.Tensor) -> int:
-    """The scale's stride per feature: 0 for one value (per tensor); block scales are refused."""
+    """The scale's stride per feature (``ScaleLayout``'s): 0 for one value (per tensor); block scales are refused."""
     n = weight.shape[0] if weight.dim() == 2 else -1
     if weight_scale.dim() == 2 and weight_scale.numel() > 1 and tuple(weight_scale.shape) != (n, 1):
         raise ValueError(f"{WHAT}: block scales (weight_scale of shape {tuple(weight_scale.shape)}) are not "
                          "supported, only per-tensor or per-channel ones (quant_gemv.fp8_gemv takes block scales)")
-    kind = ref.fp8_scale_kind(weight, weight_scale, None, WHAT)
-    return weight_scale.reshape(-1).stride(0) if kind == "channel" else 0
+    return ScaleLayout.fp8(weight, weight_scale, None, WHAT).stride_out
 
 
-def _check_tma(weight: torch.Tensor) -> None:
-    """What a TMA descriptor over the weight needs: unit column stride, 16-byte address and row stride."""
+def _tma_problem(weight: torch.Tensor) -> str | None:
+    """What a TMA descriptor over the weight lacks (unit column stride, 16-byte address and row stride), or None."""
     n, k = weight.shape
     if k == 0 or weight.stride(1) != 1 or weight.stride(0) % 16 or (n > 1 and weight.stride(0) < k):
-        raise ValueError(f"{WHAT}: TMA needs a row-major weight whose row stride (in bytes) is a multiple of 16; "
-                         f"got shape {(n, k)} and strides {weight.stride()}")
+        return (f"TMA needs a row-major weight whose row stride (in bytes) is a multiple of 16; got shape {(n, k)} "
+                f"and strides {weight.stride()}")
     if weight.data_ptr() % 16:
-        raise ValueError(f"{WHAT}: TMA needs the weight's address 16-byte aligned, got {weight.data_ptr():#x}")
+        return f"TMA needs the weight's address 16-byte aligned, got {weight.data_ptr():#x}"
+    return None
 
 
 def _launch(row, weight, scale, stride_s: int, bias, out, launch: TmaGemvLaunch) -> None:

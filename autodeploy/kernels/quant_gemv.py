@@ -305,7 +305,7 @@ def fp8_prologue_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: t
     if FP8_TMA_GEMV and rows.shape[0] == 1 and launch is None and prologue.kind == Prologue.NONE:
         from . import fp8_tma_gemv as tma  # (opt-in: its import chain is the FP8 GEMM's)
 
-        if tma.takes(weight_fp8, weight_scale, block_size):
+        if tma.takes(weight_fp8, scales):
             return tma.fp8_tma_gemv(x, weight_fp8, weight_scale, bias), None
     block_rows = scales.rows if scales.block_scaled else None
     launch = launch or QuantGemvLaunch.choose(WeightFormat.FP8, k, rows.shape[0], block_rows)
